@@ -1,0 +1,40 @@
+"""The one entry point: `kvserve <command>`.
+
+Each command lives in the module that owns it and exposes `add_arguments(parser)` and `run(args) -> int`.
+Modules are imported lazily so `kvserve plan` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("kvserve.planner.cli", "capacity planner: KV bytes per token, memory budget, safe concurrency"),
+    "info": ("kvserve.model.cli", "load a model and print its architecture, parameters and tokenizer"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM serving built around the KV cache.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

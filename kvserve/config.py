@@ -1,0 +1,117 @@
+"""Configuration dataclasses shared by the model layer, the engine and the server.
+
+`ModelConfig` is the architecture as the model layer needs it, parsed from a Hugging Face `config.json`
+dict (GGUF metadata is translated into the same dict first, so there is one parser).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint cannot be loaded; the message names the file and the thing that is wrong."""
+
+
+@dataclass(slots=True)
+class RopeScaling:
+    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    sliding_window: int | None = None
+    torch_dtype: str | None = None  # the checkpoint's own dtype name, for --dtype auto
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        architectures = cfg.get("architectures") or []
+        arch = architectures[0] if architectures else _arch_from_model_type(cfg.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {arch!r}; kvserve loads {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in cfg:
+                raise ModelLoadError(f"{source}: missing required key {key!r}")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_param(cfg, "rope_theta", 10000.0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            rope_scaling=_parse_rope_scaling(cfg, source),
+            sliding_window=_sliding_window(cfg),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        model_type or "", f"<model_type {model_type!r}>"
+    )
+
+
+def _rope_param(cfg: dict[str, Any], key: str, default: Any) -> Any:
+    # transformers 5 moved rope settings into `rope_parameters`; older configs keep them at the top level.
+    params = cfg.get("rope_parameters") or {}
+    return params.get(key, cfg.get(key, default))
+
+
+def _parse_rope_scaling(cfg: dict[str, Any], source: str) -> RopeScaling:
+    raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = raw.get("rope_type", raw.get("type", "default")) or "default"
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ModelLoadError(f"{source}: unsupported rope_scaling type {rope_type!r} (kvserve: default, llama3, linear)")
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(raw.get("factor", 1.0)),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None or cfg.get("use_sliding_window") is False:
+        return None
+    return int(window)

@@ -1,0 +1,1 @@
+"""Capacity planning: pure arithmetic over model specs, no torch."""
