@@ -1,0 +1,39 @@
+"""Building blocks of a Llama-family decoder: RMSNorm and the gated MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+    # Weights are always loaded from a checkpoint, so random initialisation would be wasted time.
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_parameter(hidden_size, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementation does, then cast back before the weight.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GatedMLP(torch.nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = empty_parameter(2 * intermediate_size, hidden_size, dtype=dtype)
+        self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_proj)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)

@@ -1,0 +1,159 @@
+"""One entry point for every checkpoint kvserve loads: `load_model(model, dtype)`.
+
+`model` is a Hugging Face folder, a `.gguf` file (or a folder holding exactly one), or None for the demo model.
+Weights stream one tensor at a time into an uninitialised model of the target dtype, under a progress bar.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvserve.config import ModelConfig, ModelLoadError
+from kvserve.model.demo import DEMO_MODEL_NAME, demo_model_path
+from kvserve.model.hf_checkpoint import (
+    count_safetensors_tensors, iter_safetensors, read_generation_config, read_hf_config, safetensors_files,
+)
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.tokenizer import Tokenizer, load_hf_tokenizer
+from kvserve.model.weights import load_weights
+
+logger = logging.getLogger("kvserve.model")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_ALIASES = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    generation_config: dict
+    path: Path
+    name: str  # what the server calls it by default
+    dtype: torch.dtype
+    weights_bytes: int
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation: generation_config's, the config's and the tokenizer's EOS."""
+        ids: list[int] = []
+        gen_eos = self.generation_config.get("eos_token_id")
+        for source in (gen_eos if isinstance(gen_eos, list) else [gen_eos], self.config.eos_token_ids,
+                       [self.tokenizer.eos_token_id]):
+            ids.extend(i for i in source if i is not None and i not in ids)
+        return ids
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        return demo_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"{model}: no such file or folder (kvserve loads offline: pass a local Hugging Face folder or a .gguf file)"
+        )
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelLoadError(f"{path}: no config.json" + (f" and {len(ggufs)} .gguf files; name one" if ggufs else ""))
+    return path
+
+
+def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name == "auto":
+        name = str(config.torch_dtype or "bfloat16").removeprefix("torch.")
+        if name not in DTYPES:
+            name = "bfloat16"
+        if name == "float16" and device.type == "cpu":
+            name = "bfloat16"  # CPUs have fast bf16 (AMX/AVX-512) kernels but slow fp16 ones
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}")
+    return DTYPES[name]
+
+
+def load_model(model: str | None = None, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+    started = time.perf_counter()
+    path = resolve_model_path(model)
+    device = torch.device(device)
+    if path.suffix == ".gguf":
+        source = _GGUFSource(path)
+    else:
+        source = _HFSource(path)
+    config = ModelConfig.from_hf_dict(source.config, source=str(source.config_file))
+    torch_dtype = resolve_dtype(dtype, config, device)
+    tokenizer = source.tokenizer()
+    with torch.device(device):
+        net = LlamaForCausalLM(config, torch_dtype)
+    with tqdm(total=source.num_tensors(), desc=f"Loading {path.name}", unit="tensor", leave=False) as bar:
+        load_weights(net, source.tensors(torch_dtype), checkpoint=str(path), on_tensor=bar.update)
+    net.eval()
+    weights_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    num_params = sum(p.numel() for p in net.parameters())
+    name = DEMO_MODEL_NAME if model is None else str(model)
+    logger.info(
+        "Loaded %s (%s) from %s: %.1fM parameters, %s, %.1f MiB of weights in %.1f s",
+        name, config.architecture, path, num_params / 1e6, str(torch_dtype).removeprefix("torch."),
+        weights_bytes / 2**20, time.perf_counter() - started,
+    )
+    return LoadedModel(net, config, tokenizer, source.generation_config(), path, name, torch_dtype, weights_bytes)
+
+
+class _HFSource:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.config_file = folder / "config.json"
+        self.config = read_hf_config(folder)
+        self.files = safetensors_files(folder)
+
+    def tokenizer(self) -> Tokenizer:
+        return load_hf_tokenizer(self.folder)
+
+    def generation_config(self) -> dict:
+        return read_generation_config(self.folder)
+
+    def num_tensors(self) -> int:
+        return count_safetensors_tensors(self.files)
+
+    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+        return iter_safetensors(self.files, dtype)
+
+
+class _GGUFSource:
+    def __init__(self, path: Path) -> None:
+        from kvserve.model.gguf_file import read_gguf_config
+
+        self.path = path
+        self.config_file = path
+        self.config = read_gguf_config(str(path))
+
+    def tokenizer(self) -> Tokenizer:
+        from kvserve.model.gguf_tokenizer import load_gguf_tokenizer
+
+        data = load_gguf_tokenizer(str(self.path))
+        special = {"bos_token": data.bos_token, "eos_token": data.eos_token, "unk_token": data.unk_token,
+                   "pad_token": data.pad_token}
+        return Tokenizer(backend=data.backend, special_tokens=special, chat_template=data.chat_template)
+
+    def generation_config(self) -> dict:
+        return {key: self.config[key] for key in ("bos_token_id", "eos_token_id") if self.config.get(key) is not None}
+
+    def num_tensors(self) -> int:
+        from kvserve.model.gguf_file import gguf_tensor_count
+
+        return gguf_tensor_count(str(self.path))
+
+    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+        from kvserve.model.gguf_file import iter_gguf_tensors
+
+        for name, tensor in iter_gguf_tensors(str(self.path), dtype):
+            yield name, tensor, str(self.path)

@@ -1,0 +1,22 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import save_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Returns a function kind -> (folder, transformers model), building each checkpoint once per session."""
+    built: dict[str, tuple[Path, object]] = {}
+
+    def get(kind: str):
+        if kind not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+            built[kind] = (folder, save_model(kind, folder))
+        return built[kind]
+
+    return get

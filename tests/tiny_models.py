@@ -1,0 +1,88 @@
+"""Small random Llama / Qwen2 / Mistral checkpoints built with transformers (fixed seeds), saved as HF folders.
+
+These are the reference models of the test suite: kvserve must compute what transformers computes on them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def forward(self, x):\n    return x * 2\n",
+    "KV caches hold the keys and values of every past token.",
+    "Paged attention reads blocks through a block table.",
+] * 20
+
+BASE = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    initializer_range=0.25,  # large enough that attention is peaked, so rope and masks visibly matter
+)
+
+ARCHITECTURES = {
+    "llama": dict(tie_word_embeddings=False, rope_theta=10000.0),
+    "llama3": dict(
+        tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    ),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0),
+    "mistral": dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=24),
+}
+
+
+def build_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BASE["vocab_size"], special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    backend.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.save_pretrained(folder)
+
+
+def build_model(kind: str, seed: int = 0):
+    import transformers
+
+    config_classes = {
+        "llama": transformers.LlamaConfig, "llama3": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig,
+    }
+    model_classes = {
+        "llama": transformers.LlamaForCausalLM, "llama3": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM, "mistral": transformers.MistralForCausalLM,
+    }
+    config = config_classes[kind](**BASE, **ARCHITECTURES[kind])
+    torch.manual_seed(seed)
+    model = model_classes[kind](config).to(torch.float32).eval()
+    with torch.no_grad():
+        # Random init leaves biases at zero; give Qwen2's q/k/v biases values so the test can see them.
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def save_model(kind: str, folder: Path, seed: int = 0, max_shard_size: str | None = None):
+    model = build_model(kind, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    build_tokenizer(folder)
+    return model
