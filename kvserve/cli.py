@@ -13,7 +13,8 @@ import sys
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvserve.planner.cli", "capacity planner: KV bytes per token, memory budget, safe concurrency"),
-    "info": ("kvserve.model.cli", "load a model and print its architecture, parameters and tokenizer"),
+    "generate": ("kvserve.engine.generate_cli", "generate completions for prompts (offline, on the demo model by default)"),
+    "chat": ("kvserve.engine.chat_cli", "interactive chat in the terminal (on the demo model by default)"),
 }
 
 

@@ -115,3 +115,75 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     if window is None or cfg.get("use_sliding_window") is False:
         return None
     return int(window)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "xxh3_128"
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: float | None = None  # GiB for the pool on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE); None: default
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    scheduling_policy: str = "fcfs"
+    max_waiting_requests: int | None = None
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+        """Engine args named like the CLI flags (max_num_seqs, block_size, kv_cache_memory, ...)."""
+        config = cls(model=model)
+        sections = (config, config.cache, config.scheduler, config.parallel)
+        for key, value in kwargs.items():
+            owner = next((s for s in sections if key in s.__dataclass_fields__ and key not in ("cache", "scheduler", "parallel")), None)
+            if owner is None:
+                raise TypeError(f"unknown engine argument {key!r}")
+            setattr(owner, key, value)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        cache, sched = self.cache, self.scheduler
+        if cache.block_size <= 0 or cache.block_size > 1024:
+            raise ValueError(f"block_size must be in 1..1024, got {cache.block_size}")
+        if sched.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {sched.max_num_seqs}")
+        if sched.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {sched.max_num_batched_tokens}")
+        if sched.max_model_len is not None and sched.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {sched.max_model_len}")
+        if not 0 < cache.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
+        if cache.kv_cache_memory is not None and cache.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {cache.kv_cache_memory}")
+        if cache.num_gpu_blocks_override is not None and cache.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {cache.num_gpu_blocks_override}")
+        if sched.scheduling_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling_policy must be fcfs or lpm, got {sched.scheduling_policy!r}")
+        if self.parallel.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor parallelism (--tensor-parallel-size > 1) is not built yet")
+        if cache.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise NotImplementedError(f"--kv-cache-dtype {cache.kv_cache_dtype} is not built yet (auto, bfloat16, float16, float32 are)")

@@ -40,6 +40,7 @@ class LoadedModel:
     name: str  # what the server calls it by default
     dtype: torch.dtype
     weights_bytes: int
+    hf_config: dict  # the config.json dict (translated from metadata for GGUF), for the planner
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -105,7 +106,9 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
         name, config.architecture, path, num_params / 1e6, str(torch_dtype).removeprefix("torch."),
         weights_bytes / 2**20, time.perf_counter() - started,
     )
-    return LoadedModel(net, config, tokenizer, source.generation_config(), path, name, torch_dtype, weights_bytes)
+    return LoadedModel(
+        net, config, tokenizer, source.generation_config(), path, name, torch_dtype, weights_bytes, source.config
+    )
 
 
 class _HFSource:

@@ -1,0 +1,59 @@
+"""Engine flags, named and defaulted as vLLM's, shared by `kvserve generate | chat | serve`."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="local Hugging Face folder or .gguf file (default: the built-in SmolLM2-135M-Instruct demo)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"],
+                       help="weights and activations dtype (auto: the checkpoint's; bf16 for GGUF)")
+    group.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length limit (default: the model's, capped to what the KV pool holds)")
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"])
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--prefix-caching-hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       choices=["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+    group.add_argument("--kv-cache-memory", type=float, default=None,
+                       help="GiB for the KV pool on CPU (default 1)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            scheduling_policy=args.scheduling_policy,
+        ),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+    )
+    config.validate()
+    return config

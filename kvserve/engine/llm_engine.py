@@ -1,0 +1,248 @@
+"""LLMEngine: requests in, one scheduler step + one forward + sampling per `step()`, outputs out.
+
+Parallel sampling (n > 1) runs as n sibling requests with the same prompt; their full prompt blocks are shared
+through the prefix cache, and their outputs are gathered under the parent's id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_storage import allocate_kv_storage
+from kvserve.config import EngineConfig
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.pool_sizing import PoolPlan, plan_kv_pool
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampler import sample
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.model.loader import LoadedModel, load_model
+
+logger = logging.getLogger("kvserve.engine")
+
+
+class RequestRejected(ValueError):
+    """The request cannot be served as given (too long, bad parameters); nothing was queued."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass(slots=True)
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
+    generation_tokens: int = 0
+    num_steps: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.device = pick_device(config.device)
+        torch.manual_seed(config.seed)
+        self.loaded = loaded or load_model(config.model, config.dtype, self.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.pool: PoolPlan = plan_kv_pool(config, self.loaded, self.device)
+        self.max_model_len = self.pool.max_model_len
+        cache_cfg = config.cache
+        self.kv_cache = KVCacheManager(
+            self.pool.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching, cache_cfg.prefix_caching_hash_algo
+        )
+        model_cfg = self.loaded.config
+        storage = allocate_kv_storage(
+            model_cfg.num_hidden_layers, self.pool.num_blocks, cache_cfg.block_size, model_cfg.num_key_value_heads,
+            model_cfg.head_dim, self.pool.kv_dtype, self.device,
+        )
+        self.runner = ModelRunner(self.loaded.model, storage, self.kv_cache, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.parents: dict[str, ParentRequest] = {}
+        self.child_parent: dict[str, str] = {}
+        self.counters = EngineCounters()
+        logger.info(self.pool.describe())
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, **engine_args) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(model=model, **engine_args))
+
+    # ---- requests in ------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.parents:
+            raise RequestRejected(f"request id {request_id!r} is already in use", param="request_id")
+        prompt_text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids, params)
+        children = [self._make_child(request_id, index, token_ids, params, cache_salt) for index in range(params.n)]
+        self.parents[request_id] = ParentRequest(request_id, prompt_text, children)
+        for child in children:
+            self.child_parent[child.request_id] = request_id
+            self.scheduler.add(child)
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise RequestRejected("the prompt is empty; send at least one token", param="prompt")
+        vocab = self.loaded.config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"token id {bad} is out of vocabulary (0..{vocab - 1})", param="prompt")
+        if len(token_ids) > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(token_ids)} tokens", code="context_length_exceeded", param="prompt",
+            )
+
+    def _make_child(self, parent_id: str, index: int, token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None) -> Request:
+        child_params = params
+        if params.n > 1 and params.seed is not None:
+            # Each sibling draws differently, yet reproducibly.
+            child_params = SamplingParams(**{f: getattr(params, f) for f in params.__dataclass_fields__})
+            child_params.seed = params.seed + index
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, stop=list(params.stop), skip_special_tokens=params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        child_id = parent_id if params.n == 1 else f"{parent_id}#{index}"
+        return Request(
+            child_id, token_ids, child_params, self.loaded.eos_token_ids, detokenizer, self.max_model_len,
+            cache_salt=cache_salt,
+        )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self.parents.pop(request_id, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self.child_parent.pop(child.request_id, None)
+                if not child.status.finished:
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        self.counters.num_steps += 1
+        sampling, logits = self.runner.execute(scheduler_output.scheduled)
+        for item in scheduler_output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        touched: dict[str, None] = {}
+        sampled = sample(logits, [item.request for item in sampling])
+        now = time.monotonic()
+        for item, token in zip(sampling, sampled):
+            request = item.request
+            self._append_token(request, token.token_id, token.logprobs, now)
+            touched[self.child_parent[request.request_id]] = None
+        return [self._output(parent_id) for parent_id in touched]
+
+    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> None:
+        request.all_token_ids.append(token_id)
+        self.counters.generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.counters.prompt_tokens += request.num_prompt_tokens
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+            request.cumulative_logprob += logprobs.logprob
+        stop_string = request.detokenizer.append(token_id)
+        status = self._stop_status(request, token_id, stop_string)
+        if status is not None:
+            self.scheduler.finish(request, status)
+            reason = status.value
+            self.counters.finished_by_reason[reason] = self.counters.finished_by_reason.get(reason, 0) + 1
+
+    def _stop_status(self, request: Request, token_id: int, stop_string: str | None) -> RequestStatus | None:
+        params = request.sampling_params
+        if stop_string is not None:
+            request.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_output_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- outputs out ------------------------------------------------------------------------------------
+
+    def _output(self, parent_id: str) -> RequestOutput:
+        parent = self.parents[parent_id]
+        outputs = [self._completion(index, child) for index, child in enumerate(parent.children)]
+        finished = all(child.status.finished for child in parent.children)
+        first = parent.children[0]
+        if finished:
+            self.parents.pop(parent_id)
+            for child in parent.children:
+                self.child_parent.pop(child.request_id, None)
+        return RequestOutput(
+            request_id=parent_id,
+            prompt=parent.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=max(0, first.num_cached_tokens),
+            arrival_time=first.arrival_time,
+            first_token_time=first.first_token_time,
+            finished_time=max((c.finished_time or 0.0) for c in parent.children) if finished else None,
+        )
+
+    def _completion(self, index: int, request: Request) -> CompletionOutput:
+        finished = request.status.finished
+        detok = request.detokenizer
+        delta_text = detok.delta(finished)
+        delta_token_ids = request.output_token_ids[request.num_sent_tokens :]
+        request.num_sent_tokens = request.num_output_tokens
+        return CompletionOutput(
+            index=index,
+            text=detok.text if finished else detok.text[: detok.num_sent_chars],
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
+            cumulative_logprob=request.cumulative_logprob if request.sampling_params.logprobs is not None else None,
+            delta_text=delta_text,
+            delta_token_ids=delta_token_ids,
+        )

@@ -1,0 +1,108 @@
+"""Turns a scheduled batch into tensors (tokens, positions, slot mapping, attention metadata), runs the model.
+
+Decoding requests go first in the batch so their rows are contiguous; their padded context gather indices are
+built once here and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSegment
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache], kv_cache: KVCacheManager,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+        self.sliding_window = model.config.sliding_window
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """Runs one forward; returns the requests that sample this step and their logits [n, vocab] (fp32)."""
+        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable otherwise
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        for item in ordered:
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_new_tokens
+            token_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slots(request.request_id, start, end))
+            if item.completes_prompt:
+                logits_rows.append(len(token_ids) - 1)
+                sampling.append(item)
+        metadata = self._metadata(ordered, slots)
+        logits = self.model(
+            torch.tensor(token_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            metadata,
+            kv_caches=self.kv_caches,
+            logits_indices=torch.tensor(logits_rows, device=self.device, dtype=torch.long),
+        )
+        return sampling, logits
+
+    def _slots(self, request_id: str, start: int, end: int) -> list[int]:
+        table = self.kv_cache.get_block_table(request_id)
+        size = self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]
+
+    def _metadata(self, ordered: list[ScheduledRequest], slots: list[int]) -> AttentionMetadata:
+        starts = [0]
+        for item in ordered:
+            starts.append(starts[-1] + item.num_new_tokens)
+        num_decodes = sum(1 for item in ordered if item.num_new_tokens == 1)
+        paged = PagedAttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
+        if num_decodes:
+            paged.decode = self._decode_group(ordered[:num_decodes])
+        for index in range(num_decodes, len(ordered)):
+            paged.prefills.append(self._prefill_segment(ordered[index], starts[index], starts[index + 1]))
+        return AttentionMetadata(
+            query_start_loc=starts,
+            num_computed_tokens=[item.request.num_computed_tokens for item in ordered],
+            paged=paged,
+        )
+
+    def _decode_group(self, decodes: list[ScheduledRequest]) -> DecodeGroup:
+        context_lens = [item.request.num_computed_tokens + 1 for item in decodes]
+        max_len = max(context_lens)
+        context_slots: list[int] = []
+        for item, length in zip(decodes, context_lens):
+            seq_slots = self._slots(item.request.request_id, 0, length)
+            context_slots.extend(seq_slots)
+            context_slots.extend([0] * (max_len - length))
+        key_pos = torch.arange(max_len)
+        lengths = torch.tensor(context_lens).unsqueeze(1)
+        mask = key_pos.unsqueeze(0) < lengths
+        if self.sliding_window is not None:
+            mask &= key_pos.unsqueeze(0) > lengths - 1 - self.sliding_window
+        return DecodeGroup(
+            token_indices=torch.arange(len(decodes), device=self.device),
+            context_slots=torch.tensor(context_slots, dtype=torch.long, device=self.device),
+            mask=mask.view(len(decodes), 1, 1, max_len).to(self.device),
+            max_context_len=max_len,
+            contiguous_rows=True,
+        )
+
+    def _prefill_segment(self, item: ScheduledRequest, token_start: int, token_end: int) -> PrefillSegment:
+        num_past = item.request.num_computed_tokens
+        context_slots = None
+        if num_past:
+            context_slots = torch.tensor(
+                self._slots(item.request.request_id, 0, num_past + item.num_new_tokens), dtype=torch.long,
+                device=self.device,
+            )
+        return PrefillSegment(token_start, token_end, num_past, context_slots)

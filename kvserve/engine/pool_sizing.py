@@ -1,0 +1,115 @@
+"""Sizes the KV block pool with the planner's arithmetic, so `kvserve plan` and the start-up log agree.
+
+CPU: the pool is `--kv-cache-memory` GiB. CUDA: `--gpu-memory-utilization` of the card minus the weights and
+the activation peak measured by a profiling forward. `--num-gpu-blocks-override` wins over both (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.model.loader import LoadedModel
+from kvserve.planner.budget import kv_pool_bytes, max_concurrency, max_model_len_for_blocks, num_blocks_for_pool
+from kvserve.planner.kv import kv_block_bytes
+from kvserve.planner.specs import spec_from_hf_config
+
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+GIB = 2**30
+
+
+class PoolTooSmall(RuntimeError):
+    """One request of --max-model-len does not fit in the pool: the engine refuses to start."""
+
+
+@dataclass(slots=True)
+class PoolPlan:
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    max_model_len: int
+    kv_dtype: torch.dtype
+    source: str  # how the pool size was chosen, for the log
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        concurrency = max_concurrency(self.num_blocks, self.block_size, self.max_model_len)
+        return (
+            f"KV cache pool: {self.pool_bytes / GIB:.2f} GiB ({self.source}) = {self.num_blocks} blocks x "
+            f"{self.block_size} tokens = {self.num_tokens} tokens; maximum concurrency at max-model-len "
+            f"{self.max_model_len}: {concurrency:.2f}x"
+        )
+
+
+def kv_storage_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    return model_dtype if config.cache.kv_cache_dtype == "auto" else names[config.cache.kv_cache_dtype]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> PoolPlan:
+    cache = config.cache
+    spec = spec_from_hf_config(loaded.hf_config, source=str(loaded.path))
+    block_bytes = kv_block_bytes(
+        spec, cache.block_size, cache.kv_cache_dtype, _dtype_name(loaded.dtype), config.parallel.tensor_parallel_size
+    )
+    if cache.num_gpu_blocks_override is not None:
+        num_blocks, source = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
+    elif device.type == "cuda":
+        num_blocks, source = _cuda_blocks(config, loaded, device, block_bytes)
+    else:
+        gib = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB
+        num_blocks, source = num_blocks_for_pool(int(gib * GIB), block_bytes), f"--kv-cache-memory {gib:g} GiB"
+    largest_fit = max_model_len_for_blocks(num_blocks, cache.block_size)
+    model_limit = loaded.config.max_position_embeddings
+    max_model_len = config.scheduler.max_model_len or min(model_limit, largest_fit)
+    if max_model_len > model_limit:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's maximum context of {model_limit} tokens"
+        )
+    if max_model_len > largest_fit:
+        raise PoolTooSmall(
+            f"one request of --max-model-len {max_model_len} needs {-(-max_model_len // cache.block_size)} blocks "
+            f"but the KV pool has {num_blocks} ({source}); the largest max-model-len that fits is {largest_fit}. "
+            f"Lower --max-model-len or give the pool more memory."
+        )
+    return PoolPlan(num_blocks, cache.block_size, block_bytes, max_model_len,
+                    kv_storage_dtype(config, loaded.dtype), source)
+
+
+def _cuda_blocks(config: EngineConfig, loaded: LoadedModel, device: torch.device, block_bytes: int) -> tuple[int, str]:
+    activation_bytes = _profile_activation_peak(config, loaded, device)
+    _, total = torch.cuda.mem_get_info(device)
+    pool = kv_pool_bytes(total, config.cache.gpu_memory_utilization, loaded.weights_bytes, activation_bytes)
+    source = (f"--gpu-memory-utilization {config.cache.gpu_memory_utilization} of {total / GIB:.1f} GiB, "
+              f"weights {loaded.weights_bytes / GIB:.2f} GiB, activations {activation_bytes / GIB:.2f} GiB")
+    return num_blocks_for_pool(pool, block_bytes), source
+
+
+def _profile_activation_peak(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> int:
+    """Peak memory of a cache-less forward over a full token budget, above the weights."""
+    from kvserve.model.attention import AttentionMetadata
+
+    num_tokens = config.scheduler.max_num_batched_tokens
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        loaded.model(
+            torch.zeros(num_tokens, dtype=torch.long, device=device),
+            torch.arange(num_tokens, device=device) % loaded.config.max_position_embeddings,
+            AttentionMetadata.for_prompts([num_tokens]),
+        )
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before

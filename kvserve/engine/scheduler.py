@@ -1,0 +1,132 @@
+"""Iteration-level scheduling: every step spends a token budget on running requests, then admits waiting ones.
+
+A request is a token list with a count of tokens already computed into the KV cache; each step gives it
+`min(remaining, budget)` new tokens, which makes chunked prefill, decode and recompute after preemption the
+same operation. When the pool has no block for a running request, the newest running request is preempted
+(its blocks freed, its progress reset) and put back at the head of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.config import SchedulerConfig
+from kvserve.engine.request import Request, RequestStatus
+
+# lpm: a waiting request passed over this many times is admitted next whatever its cached prefix.
+LPM_MAX_SKIPS = 16
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this step every known token is computed, so the step's last logits give the next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._lpm_skips: dict[str, int] = {}
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            while self.kv_cache.allocate_slots(request, num_new, request.num_computed_tokens) is None:
+                victim = self.running.pop()  # the newest; never one already scheduled this step
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    return budget
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._next_waiting()
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
+                return  # FCFS: nobody overtakes the request that does not fit
+            self.waiting.remove(request) if request is not self.waiting[0] else self.waiting.popleft()
+            self._lpm_skips.pop(request.request_id, None)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _next_waiting(self) -> Request:
+        if self.config.scheduling_policy == "fcfs" or len(self.waiting) == 1:
+            return self.waiting[0]
+        head = self.waiting[0]
+        if self._lpm_skips.get(head.request_id, 0) >= LPM_MAX_SKIPS:
+            return head  # starvation bound
+        best = max(self.waiting, key=lambda r: self.kv_cache.get_computed_blocks(r)[1])
+        if best is not head:
+            self._lpm_skips[head.request_id] = self._lpm_skips.get(head.request_id, 0) + 1
+        return best
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Frees a finished or aborted request's blocks now, so the next step can use them."""
+        request.status = status
+        request.finished_time = time.monotonic()
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._lpm_skips.pop(request.request_id, None)
+        self.kv_cache.free(request)
