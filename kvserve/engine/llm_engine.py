@@ -45,6 +45,22 @@ class ParentRequest:
     arrival_time: float = field(default_factory=time.monotonic)
 
 
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """A snapshot for metrics: gauges now, counters since start (never reset)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1, blocks in use
+    num_blocks: int
+    prefix_cache_queries: int  # tokens looked up at admission (vLLM semantics)
+    prefix_cache_hits: int  # of which found in the cache
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    finished_by_reason: dict[str, int]
+
+
 @dataclass(slots=True)
 class EngineCounters:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
@@ -157,6 +173,21 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
+
+    def stats(self) -> EngineStats:
+        cache_stats = self.kv_cache.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            num_blocks=self.kv_cache.num_blocks,
+            prefix_cache_queries=cache_stats.queries,
+            prefix_cache_hits=cache_stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens,
+            finished_by_reason=dict(self.counters.finished_by_reason),
+        )
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
