@@ -58,6 +58,8 @@ class ModelRunner:
     def _slots(self, request_id: str, start: int, end: int) -> list[int]:
         table = self.kv_cache.get_block_table(request_id)
         size = self.block_size
+        if end - start == 1:
+            return [table[start // size] * size + start % size]
         return [table[p // size] * size + p % size for p in range(start, end)]
 
     def _metadata(self, ordered: list[ScheduledRequest], slots: list[int]) -> AttentionMetadata:
@@ -77,21 +79,23 @@ class ModelRunner:
         )
 
     def _decode_group(self, decodes: list[ScheduledRequest]) -> DecodeGroup:
-        context_lens = [item.request.num_computed_tokens + 1 for item in decodes]
-        max_len = max(context_lens)
-        context_slots: list[int] = []
-        for item, length in zip(decodes, context_lens):
-            seq_slots = self._slots(item.request.request_id, 0, length)
-            context_slots.extend(seq_slots)
-            context_slots.extend([0] * (max_len - length))
+        context_lens = torch.tensor([item.request.num_computed_tokens + 1 for item in decodes])
+        max_len = int(context_lens.max())
+        max_blocks = -(-max_len // self.block_size)
+        tables = [self.kv_cache.get_block_table(item.request.request_id)[:max_blocks] for item in decodes]
+        # Padded block tables -> padded slot lists, vectorised: slot = block * block_size + offset.
+        padded = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables], dtype=torch.long)
+        offsets = torch.arange(self.block_size, dtype=torch.long)
+        slots = (padded.unsqueeze(2) * self.block_size + offsets).view(len(decodes), -1)[:, :max_len]
         key_pos = torch.arange(max_len)
-        lengths = torch.tensor(context_lens).unsqueeze(1)
+        lengths = context_lens.unsqueeze(1)
         mask = key_pos.unsqueeze(0) < lengths
+        slots = slots.masked_fill(~mask, 0)  # padding reads slot 0, masked out below
         if self.sliding_window is not None:
             mask &= key_pos.unsqueeze(0) > lengths - 1 - self.sliding_window
         return DecodeGroup(
             token_indices=torch.arange(len(decodes), device=self.device),
-            context_slots=torch.tensor(context_slots, dtype=torch.long, device=self.device),
+            context_slots=slots.reshape(-1).to(self.device),
             mask=mask.view(len(decodes), 1, 1, max_len).to(self.device),
             max_context_len=max_len,
             contiguous_rows=True,

@@ -1,0 +1,98 @@
+"""Offline throughput: kvserve vs transformers `generate` on the same weights, prompts and output lengths.
+
+    python benchmarks/offline_throughput.py [--model PATH] [--workloads a,b,single] [--skip-transformers]
+
+(a) 32 prompts of ~430 tokens sharing their first 400, exactly 64 output tokens each;
+(b) 256 prompts of 16-512 tokens with 16-256 output tokens;
+single: one request, 256 output tokens (single-stream decode speed).
+transformers runs static batches of 32 (left-padded, every batch runs to its longest output), bf16.
+Prints output tokens/s of each engine and the ratio, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from workloads import BenchRequest, mixed_workload, shared_prefix_workload  # noqa: E402
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.loader import resolve_model_path  # noqa: E402
+
+
+def run_kvserve(llm: LLM, requests: list[BenchRequest]) -> float:
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    started = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == sum(r.max_tokens for r in requests)
+    return produced / elapsed
+
+
+def load_transformers(model_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
+    folder = model_path.parent if model_path.suffix == ".gguf" else model_path
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **kwargs).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def run_transformers(model, requests: list[BenchRequest], batch_size: int = 32) -> float:
+    started = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start : start + batch_size]
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros(len(batch), longest, dtype=torch.long)
+        for row, request in enumerate(batch):
+            ids[row, longest - len(request.prompt_token_ids):] = torch.tensor(request.prompt_token_ids)
+            mask[row, longest - len(request.prompt_token_ids):] = 1
+        new_tokens = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    elapsed = time.perf_counter() - started
+    return sum(r.max_tokens for r in requests) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the SmolLM2-135M-Instruct demo GGUF")
+    parser.add_argument("--workloads", default="a,b,single")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--kv-cache-memory", type=float, default=2.0)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model_path = resolve_model_path(args.model)
+    workloads = args.workloads.split(",")
+    llm = LLM(args.model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory,
+              max_model_len=2048)
+    tokenizer = llm.get_tokenizer()
+    sets = {
+        "a": ("(a) 32 x ~430-token prompts, 400 shared, 64 out", shared_prefix_workload(tokenizer)),
+        "b": ("(b) 256 x 16-512-token prompts, 16-256 out", mixed_workload(tokenizer)),
+        "single": ("single stream, 256 out", [BenchRequest(shared_prefix_workload(tokenizer, 1)[0].prompt_token_ids, 256)]),
+    }
+    run_kvserve(llm, sets["a"][1][:4])  # warm-up
+    hf_model = None if args.skip_transformers else load_transformers(model_path)
+    print(f"model: {model_path.name}, bf16, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'workload':52} {'kvserve tok/s':>14} {'transformers':>13} {'ratio':>7}")
+    for key in workloads:
+        title, requests = sets[key]
+        ours = run_kvserve(llm, requests)
+        theirs = None if hf_model is None else run_transformers(hf_model, requests)
+        ratio = f"{ours / theirs:6.2f}x" if theirs else "   n/a"
+        print(f"{title:52} {ours:14.1f} {theirs or float('nan'):13.1f} {ratio}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
