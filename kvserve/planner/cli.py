@@ -30,7 +30,7 @@ from kvserve.planner.report import (
     render_reference,
 )
 from kvserve.planner.serialize import plan_to_dict, reference_to_dicts
-from kvserve.planner.specs import load_spec
+from kvserve.planner.specs import ModelSpec, load_spec
 from kvserve.planner.units import parse_token_count
 
 # Piped output (files, CI logs) gets a wide fixed width so the arithmetic column does not wrap into noise.
@@ -42,27 +42,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help="registry id (Qwen/Qwen2.5-14B-Instruct), local HF folder, config.json or .gguf")
     model.add_argument("--gpu", help="catalog GPU (A100-80GB, H100, L4, ...; see --list-gpus)")
     model.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory per GPU in GiB, for any other card")
-    model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    model.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
+    model.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
     model.add_argument("--dtype", default="auto", choices=MODEL_DTYPE_CHOICES,
                        help="model dtype; auto follows the checkpoint (float32 checkpoints run in bfloat16)")
     model.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES,
-                       help="weight quantization; default: whatever the checkpoint is")
+                       help="weight quantization (default: whatever the checkpoint is)")
 
-    engine = parser.add_argument_group("engine limits (as `kvserve serve`)")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
-    engine.add_argument("--max-model-len", help="default: the model's max_position_embeddings (32768, 32k, 32K)")
-    engine.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        help="sizes the activation reserve")
+    engine = parser.add_argument_group("engine limits (as `kvserve serve` / vLLM)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                        metavar="FRACTION", help="share of total GPU memory the engine may use (default %(default)s)")
+    engine.add_argument("--max-model-len", metavar="TOKENS",
+                        help="default: the model's max_position_embeddings; 32768, 32k (x1000) or 32K (x1024)")
+    engine.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                        help="default %(default)s")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
+                        help="tokens per forward pass; sizes the activation reserve (default %(default)s)")
     engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    engine.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    engine.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
+                        help="default %(default)s")
+    engine.add_argument("--activation-reserve-gib", type=float, metavar="GIB",
+                        help="replace the activation/graph reserve heuristic with a measured figure")
 
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--avg-context-len", help="typical prompt + output tokens per request")
-    workload.add_argument("--target-concurrency", type=int, help="requests in flight (default: --max-num-seqs)")
-    workload.add_argument("--activation-reserve-gib", type=float, metavar="GIB",
-                          help="replace the activation/graph reserve heuristic with a measured figure")
+    workload.add_argument("--avg-context-len", metavar="TOKENS", help="typical prompt + output tokens per request")
+    workload.add_argument("--target-concurrency", type=int, metavar="N",
+                          help="requests in flight (default: --max-num-seqs)")
 
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="machine-readable output")
@@ -106,7 +111,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     return 1 if args.check and not plan.verdict.fits else 0
 
 
-def _run_comparison(args: argparse.Namespace, console: Console, spec, request: PlanRequest) -> int:
+def _run_comparison(args: argparse.Namespace, console: Console, spec: ModelSpec, request: PlanRequest) -> int:
     if args.compare == "gpus":
         plans = compare_gpus(spec, request)
         render = render_gpu_comparison

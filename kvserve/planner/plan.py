@@ -1,0 +1,346 @@
+"""One capacity plan: every figure for a model on a GPU, each with the arithmetic that produced it, and the verdict.
+
+kvserve preallocates its KV pool like vLLM, so "does not fit" has three distinct meanings, checked in order:
+the weights and activation reserve exceed the budget (the model does not load); one request of
+--max-model-len does not fit in the pool (startup error, as vLLM raises); or --max-num-seqs requests of
+--max-model-len tokens exceed the pool (overcommitted: under full load the scheduler preempts requests and
+recomputes them later; slower, but not an OOM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.planner.activation import ActivationReserve, activation_reserve, overridden_reserve
+from kvserve.planner.budget import (
+    blocks_per_request,
+    kv_pool_bytes,
+    max_concurrency,
+    memory_budget_bytes,
+    num_blocks_for_pool,
+)
+from kvserve.planner.dtypes import resolve_model_dtype
+from kvserve.planner.errors import PlannerError
+from kvserve.planner.gpus import GpuSpec, resolve_gpu
+from kvserve.planner.kv import (
+    KVFormat,
+    explain_kv_bytes_per_token,
+    format_bytes_exact,
+    kv_block_bytes,
+    kv_bytes_per_request,
+    kv_bytes_per_token,
+    kv_format,
+)
+from kvserve.planner.parallel import validate_parallelism
+from kvserve.planner.quant import quant_from_flag
+from kvserve.planner.specs import ModelSpec
+from kvserve.planner.units import format_bytes, format_count
+from kvserve.planner.weights import WeightEstimate, estimate_weights
+
+# vLLM's defaults (online serving on GPUs under 70 GiB; vLLM raises them to 8192/1024 on larger non-A100 GPUs).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+FITS = "fits"
+OVERCOMMITTED = "overcommitted"
+STARTUP_ERROR = "startup_error"
+DOES_NOT_LOAD = "does_not_load"
+
+
+@dataclass(slots=True, frozen=True)
+class PlanRequest:
+    """The inputs of a plan, named like `kvserve serve`'s (vLLM's) flags."""
+
+    gpu: str | None = None
+    gpu_memory_gib: float | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    max_model_len: int | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    kv_cache_dtype: str = "auto"
+    dtype: str = "auto"
+    quantization: str | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    avg_context_len: int | None = None
+    target_concurrency: int | None = None
+    activation_reserve_gib: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Figure:
+    key: str
+    label: str
+    value: float
+    text: str
+    formula: str
+
+
+@dataclass(slots=True, frozen=True)
+class Verdict:
+    status: str
+    headline: str
+    details: tuple[str, ...] = ()
+    workload_fits: bool | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.status == FITS and self.workload_fits is not False
+
+
+@dataclass(slots=True)
+class Plan:
+    spec: ModelSpec
+    request: PlanRequest
+    gpu: GpuSpec
+    model_dtype: str
+    kv: KVFormat
+    max_model_len: int
+    target_concurrency: int
+    kv_bytes_per_token: int
+    block_bytes: int
+    weights: WeightEstimate
+    activation: ActivationReserve
+    budget_bytes: int
+    pool_bytes: int
+    num_blocks: int
+    figures: list[Figure] = field(default_factory=list)
+    verdict: Verdict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_in_pool(self) -> int:
+        return self.num_blocks * self.request.block_size
+
+    def concurrency(self, context_len: int) -> float:
+        return max_concurrency(self.num_blocks, self.request.block_size, context_len)
+
+    def figure(self, key: str) -> Figure:
+        return next(f for f in self.figures if f.key == key)
+
+
+def make_plan(spec: ModelSpec, request: PlanRequest) -> Plan:
+    _validate_request(spec, request)
+    gpu = resolve_gpu(request.gpu, request.gpu_memory_gib)
+    model_dtype = resolve_model_dtype(request.dtype, spec.dtype)
+    fmt = kv_format(request.kv_cache_dtype, model_dtype)
+    tp, pp = request.tensor_parallel_size, request.pipeline_parallel_size
+    max_model_len = _resolve_max_model_len(spec, request.max_model_len)
+    per_token = kv_bytes_per_token(spec, request.kv_cache_dtype, model_dtype, tp, pp)
+    block_bytes = kv_block_bytes(spec, request.block_size, request.kv_cache_dtype, model_dtype, tp, pp)
+    weights = estimate_weights(spec, model_dtype, quant_from_flag(request.quantization), tp, pp)
+    reserve = _activation(spec, request, model_dtype)
+    budget = memory_budget_bytes(gpu.memory_bytes, request.gpu_memory_utilization)
+    pool = kv_pool_bytes(gpu.memory_bytes, request.gpu_memory_utilization, weights.per_gpu_bytes, reserve.bytes)
+    plan = Plan(
+        spec=spec,
+        request=request,
+        gpu=gpu,
+        model_dtype=model_dtype,
+        kv=fmt,
+        max_model_len=max_model_len,
+        target_concurrency=request.target_concurrency or request.max_num_seqs,
+        kv_bytes_per_token=per_token,
+        block_bytes=block_bytes,
+        weights=weights,
+        activation=reserve,
+        budget_bytes=budget,
+        pool_bytes=pool,
+        num_blocks=num_blocks_for_pool(pool, block_bytes),
+    )
+    plan.figures = _figures(plan)
+    plan.verdict = _verdict(plan)
+    plan.notes = _notes(plan)
+    return plan
+
+
+def _validate_request(spec: ModelSpec, request: PlanRequest) -> None:
+    sizes = {
+        "--max-num-seqs": request.max_num_seqs,
+        "--max-num-batched-tokens": request.max_num_batched_tokens,
+        "--block-size": request.block_size,
+        "--max-model-len": request.max_model_len,
+        "--avg-context-len": request.avg_context_len,
+        "--target-concurrency": request.target_concurrency,
+    }
+    for flag, value in sizes.items():
+        if value is not None and value <= 0:
+            raise PlannerError(f"{flag} must be positive, got {value}")
+    if request.activation_reserve_gib is not None and request.activation_reserve_gib < 0:
+        raise PlannerError(f"--activation-reserve-gib must be >= 0, got {request.activation_reserve_gib}")
+    if not 0 < request.gpu_memory_utilization <= 1:
+        raise PlannerError(f"--gpu-memory-utilization must be in (0, 1], got {request.gpu_memory_utilization}")
+    validate_parallelism(spec, request.tensor_parallel_size, request.pipeline_parallel_size)
+    max_len = _resolve_max_model_len(spec, request.max_model_len)
+    if request.avg_context_len is not None and request.avg_context_len > max_len:
+        raise PlannerError(f"--avg-context-len {request.avg_context_len} exceeds --max-model-len {max_len}")
+
+
+def _resolve_max_model_len(spec: ModelSpec, max_model_len: int | None) -> int:
+    if max_model_len is None:
+        return spec.max_position_embeddings
+    if max_model_len > spec.max_position_embeddings:
+        raise PlannerError(
+            f"--max-model-len {max_model_len} exceeds {spec.name}'s max_position_embeddings "
+            f"{spec.max_position_embeddings} (vLLM refuses this too)"
+        )
+    return max_model_len
+
+
+def _activation(spec: ModelSpec, request: PlanRequest, model_dtype: str) -> ActivationReserve:
+    if request.activation_reserve_gib is not None:
+        return overridden_reserve(request.activation_reserve_gib)
+    return activation_reserve(
+        spec,
+        model_dtype,
+        request.max_num_batched_tokens,
+        request.max_num_seqs,
+        request.tensor_parallel_size,
+        request.pipeline_parallel_size,
+    )
+
+
+def _figures(plan: Plan) -> list[Figure]:
+    request, bs = plan.request, plan.request.block_size
+    per_token_text = format_bytes_exact(plan.kv_bytes_per_token)
+    figures = [
+        Figure("kv_bytes_per_token", "KV cache per token (per GPU)", plan.kv_bytes_per_token, per_token_text,
+               explain_kv_bytes_per_token(plan.spec, plan.kv, request.tensor_parallel_size,
+                                          request.pipeline_parallel_size)),
+        Figure("kv_block_bytes", f"KV block of {bs} tokens", plan.block_bytes, format_bytes(plan.block_bytes),
+               f"{bs} tokens × {per_token_text} = {format_bytes(plan.block_bytes)}"),
+        _request_figure(plan),
+        Figure("gpu_memory", f"GPU memory ({plan.gpu.name})", plan.gpu.memory_bytes,
+               format_bytes(plan.gpu.memory_bytes), f"{plan.gpu.nominal}, as CUDA reports it"),
+        Figure("budget", "Memory budget", plan.budget_bytes, format_bytes(plan.budget_bytes),
+               f"{request.gpu_memory_utilization:g} (--gpu-memory-utilization) × "
+               f"{format_bytes(plan.gpu.memory_bytes)} = {format_bytes(plan.budget_bytes)}"),
+        Figure("weights", "Weights per GPU", plan.weights.per_gpu_bytes, format_bytes(plan.weights.per_gpu_bytes),
+               plan.weights.formula),
+        Figure("activation", "Activation & graph reserve", plan.activation.bytes,
+               format_bytes(plan.activation.bytes), plan.activation.formula),
+        Figure("kv_pool", "KV pool per GPU", plan.pool_bytes, format_bytes(plan.pool_bytes),
+               f"{format_bytes(plan.budget_bytes)} − {format_bytes(plan.weights.per_gpu_bytes)} − "
+               f"{format_bytes(plan.activation.bytes)} = {format_bytes(plan.pool_bytes)}"),
+        Figure("num_blocks", "KV blocks", plan.num_blocks, format_count(plan.num_blocks),
+               f"⌊{format_bytes(max(plan.pool_bytes, 0))} ÷ {format_bytes(plan.block_bytes)}⌋ = "
+               f"{plan.num_blocks:,} blocks"),
+        Figure("tokens_in_pool", "Tokens in the pool", plan.tokens_in_pool, f"{plan.tokens_in_pool:,}",
+               f"{plan.num_blocks:,} blocks × {bs} = {plan.tokens_in_pool:,} tokens"),
+        _concurrency_figure(plan, "concurrency_at_max_model_len", "max-model-len", plan.max_model_len),
+    ]
+    if request.avg_context_len:
+        figures.append(_concurrency_figure(plan, "concurrency_at_avg_context_len", "avg-context-len",
+                                           request.avg_context_len))
+    if plan.spec.has_windowed_layers:
+        figures.append(_windowed_concurrency_figure(plan))
+    figures.append(_demand_figure(plan, "worst_case_demand", "max-num-seqs × max-model-len",
+                                  request.max_num_seqs, plan.max_model_len))
+    if request.avg_context_len:
+        figures.append(_demand_figure(plan, "workload_demand", "target-concurrency × avg-context-len",
+                                      plan.target_concurrency, request.avg_context_len))
+    return figures
+
+
+def _request_figure(plan: Plan) -> Figure:
+    blocks = blocks_per_request(plan.max_model_len, plan.request.block_size)
+    request_bytes = blocks * plan.block_bytes
+    return Figure("kv_per_request", f"One request at max-model-len {plan.max_model_len:,}", request_bytes,
+                  format_bytes(request_bytes),
+                  f"{blocks:,} blocks × {format_bytes(plan.block_bytes)} = {format_bytes(request_bytes)}")
+
+
+def _concurrency_figure(plan: Plan, key: str, flag: str, context_len: int) -> Figure:
+    blocks = blocks_per_request(context_len, plan.request.block_size)
+    value = plan.concurrency(context_len)
+    return Figure(key, f"Requests in the pool at {flag} {context_len:,}", value, f"{value:,.1f}",
+                  f"{plan.num_blocks:,} blocks ÷ {blocks:,} blocks per request = {value:,.2f}")
+
+
+def _windowed_concurrency_figure(plan: Plan) -> Figure:
+    """What a window-aware allocator (vLLM's hybrid KV manager) would fit; kvserve's pool reserves every layer."""
+    request = plan.request
+    context = request.avg_context_len or plan.max_model_len
+    windowed_bytes = kv_bytes_per_request(plan.spec, context, request.kv_cache_dtype, plan.model_dtype,
+                                          request.tensor_parallel_size, request.pipeline_parallel_size,
+                                          block_size=request.block_size)
+    value = max(plan.pool_bytes, 0) / windowed_bytes
+    spec = plan.spec
+    return Figure("concurrency_windowed", f"Requests at {context:,} with window-aware allocation", value,
+                  f"{value:,.1f}",
+                  f"{len(spec.windowed_layers)} of {spec.num_layers} layers hold ≤ {spec.sliding_window:,} tokens: "
+                  f"{format_bytes(windowed_bytes)} per request; {format_bytes(max(plan.pool_bytes, 0))} ÷ that = "
+                  f"{value:,.2f} (reference only: kvserve's pool reserves every layer)")
+
+
+def _demand_figure(plan: Plan, key: str, label: str, num_seqs: int, context_len: int) -> Figure:
+    blocks = num_seqs * blocks_per_request(context_len, plan.request.block_size)
+    demand = blocks * plan.block_bytes
+    pool = max(plan.pool_bytes, 0)
+    ratio = f"{demand / pool:.1f}× the pool" if pool else "no pool"
+    return Figure(key, label, demand, format_bytes(demand),
+                  f"{num_seqs:,} × {context_len:,} tokens × {format_bytes_exact(plan.kv_bytes_per_token)} "
+                  f"= {format_bytes(demand)} ({ratio})")
+
+
+def _verdict(plan: Plan) -> Verdict:
+    request, bs = plan.request, plan.request.block_size
+    workload = _workload_check(plan)
+    cannot_serve = False if request.avg_context_len else None
+    if plan.pool_bytes <= 0:
+        short = -plan.pool_bytes
+        return Verdict(DOES_NOT_LOAD, f"DOES NOT LOAD: weights + activation reserve exceed the budget by "
+                       f"{format_bytes(short)}", (), cannot_serve)
+    one_request = blocks_per_request(plan.max_model_len, bs)
+    if plan.num_blocks < one_request:
+        return Verdict(STARTUP_ERROR, f"FAILS AT STARTUP: one {plan.max_model_len:,}-token request needs "
+                       f"{format_bytes(one_request * plan.block_bytes)} of KV, the pool holds "
+                       f"{format_bytes(plan.num_blocks * plan.block_bytes)} (vLLM refuses to start)", (), cannot_serve)
+    worst_blocks = request.max_num_seqs * one_request
+    details = (workload[1],) if workload[1] else ()
+    if worst_blocks <= plan.num_blocks:
+        return Verdict(FITS, f"FITS: {request.max_num_seqs} × {plan.max_model_len:,} tokens "
+                       f"({format_bytes(worst_blocks * plan.block_bytes)}) fit in the "
+                       f"{format_bytes(plan.pool_bytes)} pool; no preemption even at full load", details, workload[0])
+    full_length = plan.concurrency(plan.max_model_len)
+    return Verdict(OVERCOMMITTED, f"OVERCOMMITTED {worst_blocks / plan.num_blocks:.1f}×: {request.max_num_seqs} × "
+                   f"{plan.max_model_len:,} tokens need {format_bytes(worst_blocks * plan.block_bytes)}, the pool "
+                   f"holds {format_bytes(plan.pool_bytes)}. Beyond {full_length:.1f} full-length requests the "
+                   f"scheduler preempts and recomputes (slower, not an OOM: the pool is preallocated)",
+                   details, workload[0])
+
+
+def _workload_check(plan: Plan) -> tuple[bool | None, str]:
+    avg = plan.request.avg_context_len
+    if not avg:
+        return None, ""
+    fits_now = plan.concurrency(avg)
+    target = plan.target_concurrency
+    if fits_now >= target:
+        return True, (f"Workload fits: {target} concurrent {avg:,}-token requests need "
+                      f"{target / fits_now:.0%} of the pool (room for {fits_now:.1f})")
+    return False, (f"Workload does NOT fit: {target} concurrent {avg:,}-token requests need "
+                   f"{target / fits_now if fits_now else float('inf'):.1f}× the pool; it holds {fits_now:.1f}")
+
+
+def _notes(plan: Plan) -> list[str]:
+    spec, notes = plan.spec, []
+    if spec.has_windowed_layers:
+        notes.append(f"{len(spec.windowed_layers)} of {spec.num_layers} layers use a {spec.sliding_window:,}-token "
+                     "sliding window; figures count every layer at full length (what kvserve's pool reserves)")
+    if spec.is_mla and plan.request.tensor_parallel_size > 1:
+        notes.append("MLA's latent KV is replicated on every TP rank: TP does not shrink KV bytes per token")
+    if not spec.is_mla and spec.num_kv_heads < plan.request.tensor_parallel_size:
+        notes.append(f"{spec.num_kv_heads} KV heads < TP {plan.request.tensor_parallel_size}: KV heads are "
+                     "replicated, one per GPU")
+    if spec.quantization_note:
+        notes.append(spec.quantization_note)
+    if spec.extra_params:
+        notes.append(f"weights include a {spec.extra_params_note}")
+    if spec.num_mtp_layers:
+        notes.append(f"{spec.num_mtp_layers} multi-token-prediction layer(s) not counted: loaded only for "
+                     "speculative decoding")
+    return notes

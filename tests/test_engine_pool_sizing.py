@@ -1,0 +1,41 @@
+"""The engine sizes its pool with the planner's arithmetic: `kvserve plan`'s figures are the engine's figures."""
+
+import json
+
+import pytest
+
+from kvserve import LLM
+from kvserve.cli import main as kvserve_main
+from kvserve.engine.pool_sizing import PoolTooSmall
+from kvserve.planner.budget import max_model_len_for_blocks, num_blocks_for_pool
+from kvserve.planner.kv import kv_block_bytes
+from kvserve.planner.specs import load_spec
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_planner_block_count_equals_engine_num_blocks(kind, tiny_model_dir):
+    folder, _ = tiny_model_dir(kind)
+    budget_gib = 0.01
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory=budget_gib)
+    spec = load_spec(str(folder))  # the planner's own reading of the folder
+    predicted = num_blocks_for_pool(int(budget_gib * GIB), kv_block_bytes(spec, 16, "auto", "float32"))
+    assert llm.engine.kv_cache.num_blocks == predicted
+    assert llm.engine.pool.block_bytes == kv_block_bytes(spec, 16, "auto", "float32")
+
+
+def test_plan_json_kv_bytes_match_engine_block_bytes(tiny_model_dir, capsys):
+    folder, _ = tiny_model_dir("llama")
+    assert kvserve_main(["plan", "--model", str(folder), "--gpu-memory", "1", "--dtype", "float32", "--json"]) in (0, None)
+    plan = json.loads(capsys.readouterr().out)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory=0.01)
+    text = json.dumps(plan)
+    assert str(llm.engine.pool.block_bytes // 16) in text  # KV bytes per token, as the plan states it
+
+
+def test_engine_refuses_to_start_when_max_model_len_does_not_fit(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    with pytest.raises(PoolTooSmall) as info:
+        LLM(str(folder), dtype="float32", num_gpu_blocks_override=8, max_model_len=1000)
+    assert f"largest max-model-len that fits is {max_model_len_for_blocks(8, 16)}" in str(info.value)
