@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.cache.kv_storage import LayerKVCache
 
@@ -62,19 +61,29 @@ def paged_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
 
 
 def _decode(attn, q: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup, out: torch.Tensor) -> None:
-    num_decodes = group.mask.shape[0]
+    """One query per sequence against its padded context, as two batched matmuls.
+
+    Not SDPA: torch's CPU flash kernel is built for long queries and is ~8x slower for one query per sequence.
+    Query heads are grouped under their KV head (GQA) so K/V are never repeated. Scores are computed in fp32
+    (QK^T is where low precision hurts); probabilities x V runs in the model dtype with fp32 accumulation.
+    """
+    num_decodes, max_len = group.mask.shape[0], group.max_context_len
+    group_size = attn.num_heads // attn.num_kv_heads
     if group.contiguous_rows:
         start = int(group.token_indices[0])
         q_dec = q[start : start + num_decodes]
     else:
         q_dec = q.index_select(0, group.token_indices)
-    kv_shape = (num_decodes, group.max_context_len, attn.num_kv_heads, attn.head_dim)
-    keys = kv_cache.flat_key.index_select(0, group.context_slots).view(kv_shape).transpose(1, 2)
+    kv_shape = (num_decodes, max_len, attn.num_kv_heads, attn.head_dim)
+    # Gather then make head-major [seqs, kv_heads, context, head_dim] so each matmul operand is contiguous.
+    keys = kv_cache.flat_key.index_select(0, group.context_slots).view(kv_shape).transpose(1, 2).to(torch.float32)
     values = kv_cache.flat_value.index_select(0, group.context_slots).view(kv_shape).transpose(1, 2)
-    result = F.scaled_dot_product_attention(
-        q_dec.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask, scale=attn.scale, enable_gqa=True
-    )  # [num_decodes, heads, 1, head_dim]
-    result = result.reshape(num_decodes, attn.num_heads * attn.head_dim)
+    values = values.to(q.dtype).contiguous()
+    queries = q_dec.view(num_decodes, attn.num_kv_heads, group_size, attn.head_dim).to(torch.float32)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(attn.scale)  # [seqs, kv_heads, group, context]
+    scores.masked_fill_(~group.mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    result = torch.matmul(probs, values).reshape(num_decodes, attn.num_heads * attn.head_dim)
     if group.contiguous_rows:
         out[start : start + num_decodes] = result
     else:
