@@ -76,13 +76,19 @@ class Attention(torch.nn.Module):
         The keys are the sequence's whole context: `num_past_tokens` cached ones followed by the Q new ones.
         """
         num_queries, num_keys = q.shape[0], k.shape[0]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        group_size = self.num_heads // self.num_kv_heads
+        if group_size > 1:
+            # torch's CPU flash kernel takes neither GQA nor 3-d inputs (both fall back to the slow math path),
+            # so KV heads are repeated and a batch dim of 1 added; the copy is small next to attention itself.
+            k = k.repeat_interleave(group_size, dim=1)
+            v = v.repeat_interleave(group_size, dim=1)
+        qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         mask = self._mask(num_queries, num_keys, num_past_tokens, q.device)
         if mask is None and num_queries == num_keys:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
         else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return out.transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+        return out[0].transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim)
 
     def _mask(self, num_queries: int, num_keys: int, num_past_tokens: int, device: torch.device) -> torch.Tensor | None:
         needs_window = self.sliding_window is not None and num_keys > self.sliding_window
