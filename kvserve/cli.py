@@ -12,6 +12,7 @@ import sys
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kvserve.server.cli", "OpenAI-compatible server with Prometheus metrics (vLLM's flags; demo model by default)"),
     "plan": ("kvserve.planner.cli", "capacity planner: KV bytes per token, memory budget, safe concurrency"),
     "generate": ("kvserve.engine.generate_cli", "generate completions for prompts (offline, on the demo model by default)"),
     "chat": ("kvserve.engine.chat_cli", "interactive chat in the terminal (on the demo model by default)"),

@@ -12,6 +12,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_storage import LayerKVCache
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.cpu_kernels import paged_decode_kernel
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSegment
 
@@ -25,6 +26,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.sliding_window = model.config.sliding_window
+        self.use_cpu_kernel = device.type == "cpu" and paged_decode_kernel() is not None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
@@ -79,26 +81,16 @@ class ModelRunner:
         )
 
     def _decode_group(self, decodes: list[ScheduledRequest]) -> DecodeGroup:
-        context_lens = torch.tensor([item.request.num_computed_tokens + 1 for item in decodes])
-        max_len = int(context_lens.max())
-        max_blocks = -(-max_len // self.block_size)
+        context_lens = [item.request.num_computed_tokens + 1 for item in decodes]
+        max_blocks = -(-max(context_lens) // self.block_size)
         tables = [self.kv_cache.get_block_table(item.request.request_id)[:max_blocks] for item in decodes]
-        # Padded block tables -> padded slot lists, vectorised: slot = block * block_size + offset.
-        padded = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables], dtype=torch.long)
-        offsets = torch.arange(self.block_size, dtype=torch.long)
-        slots = (padded.unsqueeze(2) * self.block_size + offsets).view(len(decodes), -1)[:, :max_len]
-        key_pos = torch.arange(max_len)
-        lengths = context_lens.unsqueeze(1)
-        mask = key_pos.unsqueeze(0) < lengths
-        slots = slots.masked_fill(~mask, 0)  # padding reads slot 0, masked out below
-        if self.sliding_window is not None:
-            mask &= key_pos.unsqueeze(0) > lengths - 1 - self.sliding_window
+        padded = [table + [0] * (max_blocks - len(table)) for table in tables]
         return DecodeGroup(
-            token_indices=torch.arange(len(decodes), device=self.device),
-            context_slots=slots.reshape(-1).to(self.device),
-            mask=mask.view(len(decodes), 1, 1, max_len).to(self.device),
-            max_context_len=max_len,
-            contiguous_rows=True,
+            block_tables=torch.tensor(padded, dtype=torch.long, device=self.device),
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
+            block_size=self.block_size,
+            sliding_window=self.sliding_window,
+            use_kernel=self.use_cpu_kernel,
         )
 
     def _prefill_segment(self, item: ScheduledRequest, token_start: int, token_end: int) -> PrefillSegment:

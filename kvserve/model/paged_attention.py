@@ -29,11 +29,34 @@ class PrefillSegment:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    token_indices: torch.Tensor  # [num_decodes] batch rows of the decoding sequences' new tokens
-    context_slots: torch.Tensor  # [num_decodes * max_context_len] slots, padded with slot 0
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_context_len] True where a key may be attended
-    max_context_len: int
-    contiguous_rows: bool  # token_indices is range(start, start + num_decodes): slice instead of gather
+    """The step's decoding sequences (one new token each), which occupy batch rows [0, num_decodes)."""
+
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
+    context_lens: torch.Tensor  # [num_decodes] int64, including the new token
+    block_size: int
+    sliding_window: int | None
+    use_kernel: bool  # the compiled CPU kernel reads blocks in place; otherwise the portable gather path
+    # Built on first use by the portable path and shared by every layer of the step.
+    _gather: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_decodes(self) -> int:
+        return self.context_lens.shape[0]
+
+    def gather_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(context slots [num_decodes * max_len], padded with slot 0; mask [num_decodes, 1, 1, max_len])."""
+        if self._gather is None:
+            max_len = int(self.context_lens.max())
+            offsets = torch.arange(self.block_size, device=self.block_tables.device)
+            slots = (self.block_tables.unsqueeze(2) * self.block_size + offsets).flatten(1)[:, :max_len]
+            key_pos = torch.arange(max_len, device=slots.device).unsqueeze(0)
+            lengths = self.context_lens.unsqueeze(1)
+            mask = key_pos < lengths
+            slots = slots.masked_fill(~mask, 0)
+            if self.sliding_window is not None:
+                mask &= key_pos > lengths - 1 - self.sliding_window
+            self._gather = (slots.reshape(-1), mask.view(self.num_decodes, 1, 1, max_len))
+        return self._gather
 
 
 @dataclass(slots=True)
@@ -61,30 +84,35 @@ def paged_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
 
 
 def _decode(attn, q: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup, out: torch.Tensor) -> None:
+    num_decodes = group.num_decodes
+    q_dec = q[:num_decodes]
+    if group.use_kernel:
+        from kvserve.model.cpu_kernels import paged_decode_kernel
+
+        result = paged_decode_kernel().paged_decode_attention(
+            q_dec.contiguous(), kv_cache.key, kv_cache.value, group.block_tables, group.context_lens, attn.scale,
+            group.sliding_window or 0,
+        )
+        out[:num_decodes] = result.view(num_decodes, -1)
+        return
+    out[:num_decodes] = _decode_portable(attn, q_dec, kv_cache, group)
+
+
+def _decode_portable(attn, q_dec: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup) -> torch.Tensor:
     """One query per sequence against its padded context, as two batched matmuls.
 
-    Not SDPA: torch's CPU flash kernel is built for long queries and is ~8x slower for one query per sequence.
-    Query heads are grouped under their KV head (GQA) so K/V are never repeated. Scores are computed in fp32
-    (QK^T is where low precision hurts); probabilities x V runs in the model dtype with fp32 accumulation.
+    Not SDPA: torch's CPU flash kernel is built for long queries and is several times slower for one query per
+    sequence. Query heads are grouped under their KV head (GQA) so K/V are never repeated.
     """
-    num_decodes, max_len = group.mask.shape[0], group.max_context_len
+    slots, mask = group.gather_plan()
+    num_decodes, max_len = mask.shape[0], mask.shape[-1]
     group_size = attn.num_heads // attn.num_kv_heads
-    if group.contiguous_rows:
-        start = int(group.token_indices[0])
-        q_dec = q[start : start + num_decodes]
-    else:
-        q_dec = q.index_select(0, group.token_indices)
     kv_shape = (num_decodes, max_len, attn.num_kv_heads, attn.head_dim)
-    # Gather then make head-major [seqs, kv_heads, context, head_dim] so each matmul operand is contiguous.
-    keys = kv_cache.flat_key.index_select(0, group.context_slots).view(kv_shape).transpose(1, 2).to(torch.float32)
-    values = kv_cache.flat_value.index_select(0, group.context_slots).view(kv_shape).transpose(1, 2)
-    values = values.to(q.dtype).contiguous()
-    queries = q_dec.view(num_decodes, attn.num_kv_heads, group_size, attn.head_dim).to(torch.float32)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(attn.scale)  # [seqs, kv_heads, group, context]
-    scores.masked_fill_(~group.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    result = torch.matmul(probs, values).reshape(num_decodes, attn.num_heads * attn.head_dim)
-    if group.contiguous_rows:
-        out[start : start + num_decodes] = result
-    else:
-        out.index_copy_(0, group.token_indices, result)
+    # Gather, then head-major [seqs, kv_heads, context, head_dim] so each matmul operand is contiguous.
+    keys = kv_cache.flat_key.index_select(0, slots).view(kv_shape).transpose(1, 2).contiguous().to(q_dec.dtype)
+    values = kv_cache.flat_value.index_select(0, slots).view(kv_shape).transpose(1, 2).contiguous().to(q_dec.dtype)
+    queries = q_dec.reshape(num_decodes, attn.num_kv_heads, group_size, attn.head_dim)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).float().mul_(attn.scale)  # [seqs, kv_heads, group, ctx]
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q_dec.dtype)
+    return torch.matmul(probs, values).reshape(num_decodes, attn.num_heads * attn.head_dim)

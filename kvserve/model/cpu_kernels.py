@@ -1,0 +1,38 @@
+"""Optional C++ kernels for CPUs, compiled on first use with torch's extension builder (needs a C++ compiler
+and ninja). Everything here has a portable torch fallback: if the build fails, kvserve logs why and runs the
+portable path, never fails.
+
+Set KVSERVE_CPU_KERNELS=0 to force the portable path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+logger = logging.getLogger("kvserve.model")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+
+
+@cache
+def paged_decode_kernel():
+    """The compiled module, or None when it cannot be built here."""
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="kvserve_paged_decode",
+            sources=[str(SOURCE)],
+            # -fopenmp: at::parallel_for is header code that runs serially unless OpenMP is on at compile time.
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or ninja must not stop the engine
+        logger.warning("CPU paged-attention kernel unavailable (%s); using the portable torch path", exc)
+        return None

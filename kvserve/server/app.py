@@ -1,0 +1,60 @@
+"""The FastAPI app: `build_app(async_engine, settings)`; the engine thread starts and stops with the app's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from kvserve import __version__
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server import routes_chat, routes_completions, routes_info
+from kvserve.server.auth import ApiKeyMiddleware
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import install_error_handlers
+from kvserve.server.logprobs import TokenTexts
+from kvserve.server.metrics import build_metrics
+from kvserve.server.sampling import model_sampling_defaults
+from kvserve.server.settings import ServerSettings
+from kvserve.server.stats_logger import log_stats_forever
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    registry, request_metrics = build_metrics(engine, settings.model_name)
+    generation_config = engine.engine.loaded.generation_config if settings.use_generation_config else {}
+    ctx = ServerContext(
+        engine=engine,
+        settings=settings,
+        registry=registry,
+        request_metrics=request_metrics,
+        sampling_defaults=model_sampling_defaults(generation_config),
+        token_texts=TokenTexts(engine.engine.tokenizer),
+        created=int(time.time()),
+    )
+    app = FastAPI(title="kvserve", version=__version__, lifespan=_lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    for module in (routes_completions, routes_chat, routes_info):
+        app.include_router(module.router)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    ctx: ServerContext = app.state.ctx
+    ctx.engine.start()
+    stats_task = None
+    if ctx.settings.log_stats_interval_s:
+        stats_task = asyncio.create_task(log_stats_forever(ctx.engine, ctx.settings.log_stats_interval_s))
+    try:
+        yield
+    finally:
+        if stats_task is not None:
+            stats_task.cancel()
+        # uvicorn has already waited (up to --shutdown-timeout) for in-flight HTTP requests; what is left is aborted.
+        await ctx.engine.shutdown(grace_period_s=0.0)

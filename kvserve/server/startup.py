@@ -1,0 +1,124 @@
+"""From parsed `kvserve serve` arguments to a running server: config file, engine config, port, model, uvicorn.
+
+The order fails fast and cheaply: flags and config file first, then the port (a busy port should not cost a
+model load), then the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from kvserve.server.cli import EXIT_STARTUP_FAILED, EXIT_USAGE, configure_logging, resolve_api_key
+
+
+class StartupError(Exception):
+    def __init__(self, message: str, exit_code: int = EXIT_STARTUP_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def serve(args: argparse.Namespace) -> int:
+    apply_config(args)
+    configure_logging(args.uvicorn_log_level)
+    validate_server_args(args)
+    engine_config = build_engine_config(args)
+    sock = bind_socket(args.host, args.port)
+    try:
+        async_engine = start_engine(engine_config, args.max_waiting_requests)
+        settings = build_settings(args, async_engine)
+        from kvserve.server.app import build_app
+        from kvserve.server.runner import run_server
+
+        app = build_app(async_engine, settings)
+        return run_server(app, sock, args, async_engine)
+    finally:
+        sock.close()
+
+
+def apply_config(args: argparse.Namespace) -> None:
+    if not args.config:
+        return
+    from kvserve.server.config_file import ConfigFileError, apply_config_file
+
+    try:
+        apply_config_file(args._serve_parser, args, args.config)
+    except ConfigFileError as exc:
+        raise StartupError(str(exc), EXIT_USAGE) from None
+
+
+def validate_server_args(args: argparse.Namespace) -> None:
+    checks = [
+        (0 <= args.port <= 65535, f"--port must be in 0..65535, got {args.port}"),
+        (args.max_waiting_requests is None or args.max_waiting_requests >= 0,
+         f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}"),
+        (args.max_request_bytes > 0, f"--max-request-bytes must be > 0, got {args.max_request_bytes}"),
+        (args.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}"),
+        (args.log_stats_interval > 0, f"--log-stats-interval must be > 0, got {args.log_stats_interval}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise StartupError(message, EXIT_USAGE)
+
+
+def build_engine_config(args: argparse.Namespace):
+    from kvserve.engine.args import engine_config_from_args
+
+    try:
+        config = engine_config_from_args(args)
+    except NotImplementedError as exc:  # a vLLM option whose feature kvserve has not built yet
+        raise StartupError(f"{exc}", EXIT_USAGE) from None
+    except (ValueError, TypeError) as exc:
+        raise StartupError(str(exc), EXIT_USAGE) from None
+    config.scheduler.max_waiting_requests = args.max_waiting_requests
+    return config
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_engine(config, max_waiting_requests: int | None):
+    import torch
+
+    from kvserve.config import ModelLoadError
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.pool_sizing import PoolTooSmall
+
+    try:
+        engine = LLMEngine(config)
+    except (ModelLoadError, PoolTooSmall) as exc:
+        raise StartupError(str(exc)) from None
+    except NotImplementedError as exc:
+        raise StartupError(str(exc), EXIT_USAGE) from None
+    except torch.OutOfMemoryError as exc:
+        raise StartupError(f"out of device memory while starting the engine ({str(exc).splitlines()[0]}); lower "
+                           "--gpu-memory-utilization, --max-model-len or --max-num-batched-tokens") from None
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"cannot start the engine: {exc}") from None
+    return AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
+
+
+def build_settings(args: argparse.Namespace, async_engine):
+    from kvserve.server.settings import ServerSettings
+
+    loaded = async_engine.engine.loaded
+    names = args.served_model_name or [args.model or loaded.name]
+    return ServerSettings(
+        served_model_names=list(names),
+        api_key=resolve_api_key(args),
+        max_request_bytes=args.max_request_bytes,
+        use_generation_config=args.generation_config == "auto",
+        log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
+        root=str(loaded.path),
+    )
