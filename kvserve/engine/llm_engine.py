@@ -207,7 +207,7 @@ class LLMEngine:
         return [self._output(parent_id) for parent_id in touched]
 
     def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> None:
-        request.all_token_ids.append(token_id)
+        request.append_output_token(token_id)
         self.counters.generation_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = now
@@ -264,16 +264,21 @@ class LLMEngine:
         finished = request.status.finished
         detok = request.detokenizer
         delta_text = detok.delta(finished)
-        delta_token_ids = request.output_token_ids[request.num_sent_tokens :]
-        request.num_sent_tokens = request.num_output_tokens
+        num_tokens = request.num_output_tokens
+        sent = request.num_sent_tokens
+        request.num_sent_tokens = num_tokens
+        wants_logprobs = request.sampling_params.logprobs is not None
         return CompletionOutput(
             index=index,
-            text=detok.text if finished else detok.text[: detok.num_sent_chars],
-            token_ids=list(request.output_token_ids),
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
-            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
-            cumulative_logprob=request.cumulative_logprob if request.sampling_params.logprobs is not None else None,
+            cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
             delta_text=delta_text,
-            delta_token_ids=delta_token_ids,
+            delta_token_ids=request.output_token_ids[sent:num_tokens],
+            delta_logprobs=request.logprobs[sent:num_tokens] if wants_logprobs else None,
+            # Strings are immutable: holding the detokenizer's current text is a snapshot already.
+            _text=detok.text if finished else detok.sent_text,
+            _tokens=request.output_token_ids,
+            _num_tokens=num_tokens,
+            _logprobs=request.logprobs if wants_logprobs else None,
         )

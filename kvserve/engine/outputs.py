@@ -2,22 +2,47 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvserve.engine.request import TokenLogprobs
 
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One choice of a request, as of one engine step.
+
+    The cumulative fields (text, token_ids, logprobs) are snapshots taken lazily: the output keeps a reference to
+    the request's append-only lists and their length at this step, so building an output each step costs O(1)
+    instead of copying everything generated so far (which made long generations quadratic).
+    """
+
     index: int
-    text: str  # cumulative
-    token_ids: list[int]  # cumulative
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float | None = None
-    delta_text: str = ""  # new since the previous output of this request (for streaming)
-    delta_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None  # the stop string or stop token id that ended it
+    cumulative_logprob: float | None
+    delta_text: str  # new since the previous output of this request (for streaming)
+    delta_token_ids: list[int]
+    delta_logprobs: list[TokenLogprobs] | None
+    _text: str
+    _tokens: list[int]
+    _num_tokens: int
+    _logprobs: list[TokenLogprobs] | None
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._tokens[: self._num_tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return None if self._logprobs is None else self._logprobs[: self._num_tokens]
 
     @property
     def finished(self) -> bool:

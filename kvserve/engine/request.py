@@ -45,6 +45,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # append-only; outputs hold snapshots of it
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission; -1: not admitted yet
     num_preemptions: int = 0
@@ -72,12 +73,12 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
 
     @property
     def max_output_tokens(self) -> int:

@@ -48,7 +48,7 @@ class StreamState:
             index = self.choice_index(prompt_index, choice)
             if index in self.finished_choices:
                 continue
-            self.usage.set_choice_tokens(index, len(choice.token_ids))
+            self.usage.set_choice_tokens(index, choice.num_tokens)
             logprobs = new_logprobs(choice)
             if not choice.delta_text and not choice.finished and not logprobs:
                 continue
@@ -62,11 +62,8 @@ class StreamState:
 
 
 def new_logprobs(choice: CompletionOutput) -> list[TokenLogprobs] | None:
-    """The logprobs of this output's new tokens (the engine's list is cumulative)."""
-    if choice.logprobs is None:
-        return None
-    num_new = len(choice.delta_token_ids)
-    return choice.logprobs[len(choice.logprobs) - num_new:] if num_new else []
+    """The logprobs of this output's new tokens."""
+    return choice.delta_logprobs
 
 
 def final_usage(finals: list[RequestOutput], n: int) -> UsageCounter:
