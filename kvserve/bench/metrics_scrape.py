@@ -59,6 +59,10 @@ class GaugeSample:
     num_waiting: float | None
 
 
+def gauge_sample(snapshot: MetricsSnapshot, t_s: float) -> GaugeSample:
+    return GaugeSample(t_s, snapshot.first(KV_USAGE), snapshot.first(RUNNING), snapshot.first(WAITING))
+
+
 @dataclass(slots=True)
 class GaugePoller:
     """Samples KV usage and queue lengths every `interval_s` while the run goes on (peaks between two scrapes
@@ -74,8 +78,7 @@ class GaugePoller:
         while True:
             snapshot = await scrape(self.http, self.base_url)
             if snapshot is not None:
-                self.samples.append(GaugeSample(time.perf_counter() - self.started_at, snapshot.first(KV_USAGE),
-                                                snapshot.first(RUNNING), snapshot.first(WAITING)))
+                self.samples.append(gauge_sample(snapshot, time.perf_counter() - self.started_at))
             await asyncio.sleep(self.interval_s)
 
 
@@ -103,10 +106,12 @@ def peak(values: list[float | None]) -> float | None:
     return max(present) if present else None
 
 
-def server_view(before: MetricsSnapshot | None, after: MetricsSnapshot | None,
-                gauges: list[GaugeSample]) -> ServerView | None:
+def server_view(before: MetricsSnapshot | None, after: MetricsSnapshot | None, gauges: list[GaugeSample],
+                elapsed_s: float) -> ServerView | None:
+    """`gauges` polled during the run; the before/after snapshots add the first and last points."""
     if before is None or after is None:
         return None
+    gauges = [gauge_sample(before, 0.0), *gauges, gauge_sample(after, elapsed_s)]
     view = ServerView(
         prompt_tokens=delta(before, after, PROMPT_TOKENS),
         generation_tokens=delta(before, after, GENERATION_TOKENS),
@@ -117,7 +122,7 @@ def server_view(before: MetricsSnapshot | None, after: MetricsSnapshot | None,
     )
     if view.prefix_cache_queries and view.prefix_cache_hits is not None:
         view.prefix_cache_hit_rate = view.prefix_cache_hits / view.prefix_cache_queries
-    view.peak_kv_usage = peak([g.kv_usage for g in gauges] + [after.first(KV_USAGE)])
-    view.peak_running = peak([g.num_running for g in gauges] + [after.first(RUNNING)])
-    view.peak_waiting = peak([g.num_waiting for g in gauges] + [after.first(WAITING)])
+    view.peak_kv_usage = peak([g.kv_usage for g in gauges])
+    view.peak_running = peak([g.num_running for g in gauges])
+    view.peak_waiting = peak([g.num_waiting for g in gauges])
     return view

@@ -120,7 +120,7 @@ async def run_benchmark_async(config: BenchConfig, console: Console) -> BenchRes
                 "max_model_len": model.max_model_len, "lengths": length_source},
         workload=workload.describe() | {"num_requests": config.num_requests, "duration_s": config.duration_s},
         summary=summarize(run.records, run.elapsed_s, slo),
-        server=server_view(before, after, gauges),
+        server=server_view(before, after, gauges, run.elapsed_s),
         records=run.records,
         notes=notes,
         started=started,

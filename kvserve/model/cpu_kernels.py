@@ -14,19 +14,19 @@ from pathlib import Path
 
 logger = logging.getLogger("kvserve.model")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 
 
 @cache
-def paged_decode_kernel():
-    """The compiled module, or None when it cannot be built here."""
+def cpu_attention_kernels():
+    """The compiled module (paged_decode_attention, paged_prefill_attention), or None when it cannot be built."""
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load
 
         return load(
-            name="kvserve_paged_decode",
+            name="kvserve_paged_attention",
             sources=[str(SOURCE)],
             # -fopenmp: at::parallel_for is header code that runs serially unless OpenMP is on at compile time.
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
@@ -34,5 +34,5 @@ def paged_decode_kernel():
             verbose=False,
         )
     except Exception as exc:  # a missing compiler or ninja must not stop the engine
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the portable torch path", exc)
+        logger.warning("CPU paged-attention kernels unavailable (%s); using the portable torch path", exc)
         return None

@@ -1,0 +1,283 @@
+// Decode attention straight over the paged KV cache, for CPUs.
+//
+// One query token per sequence. Each (sequence, KV head) pair is one task: its query heads (the GQA group)
+// walk the sequence's blocks through the block table, so K and V are read exactly once, in place; nothing is
+// gathered or padded. Scores and softmax are fp32; the output is written in the query's dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Rows are widened to fp32 in a separate loop the compiler can vectorise (bf16 -> fp32 is a 16-bit shift).
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+// kHeadDim > 0 fixes the head size at compile time so the inner loops unroll into whole SIMD registers;
+// 0 takes it from `runtime_head_dim`.
+template <typename scalar_t, int kHeadDim>
+void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                 int64_t context_len, int64_t first_token, int64_t block_size, int64_t num_kv_heads,
+                 int64_t kv_head, int64_t group, int64_t runtime_head_dim, float scale, scalar_t* out,
+                 std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
+                 std::vector<float>& row) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
+  const int64_t num_tokens = context_len - first_token;
+  scores.assign(group * num_tokens, 0.f);
+  acc.assign(group * head_dim, 0.f);
+  qf.resize(group * head_dim);
+  row.resize(head_dim);
+  to_float(q, qf.data(), group * head_dim);
+  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] *= scale;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t pos = first_token + t;
+    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+    to_float(k_cache + slot * token_stride + kv_head * head_dim, row.data(), head_dim);
+    const float* key = row.data();
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf.data() + g * head_dim;
+      float dot = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * key[d];
+      scores[g * num_tokens + t] = dot;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * num_tokens;
+    float max_score = s[0];  // not -inf: the kernel is built with -ffast-math, which assumes finite values
+    for (int64_t t = 1; t < num_tokens; ++t) max_score = std::max(max_score, s[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      s[t] = std::exp(s[t] - max_score);
+      total += s[t];
+    }
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < num_tokens; ++t) s[t] *= inv;
+  }
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t pos = first_token + t;
+    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+    to_float(v_cache + slot * token_stride + kv_head * head_dim, row.data(), head_dim);
+    const float* value = row.data();
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * num_tokens + t];
+      float* a = acc.data() + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
+    }
+  }
+  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+}
+
+}  // namespace
+
+// q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+// block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 (including the new token).
+// sliding_window <= 0 means none. Returns [num_seqs, num_heads, head_dim].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t sliding_window) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kLong, "block_tables: int64");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kLong, "context_lens: int64");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "KV cache and query must share a dtype");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  auto out = torch::empty_like(q);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc, qf, row;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+        const int64_t context_len = lens[seq];
+        const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
+        const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
+        auto task_fn = head_dim == 64 ? decode_task<scalar_t, 64>
+                       : head_dim == 128 ? decode_task<scalar_t, 128> : decode_task<scalar_t, 0>;
+        task_fn(q_ptr + offset, k_ptr, v_ptr, tables + seq * max_blocks, context_len, first, block_size,
+                num_kv_heads, kv_head, group, head_dim, static_cast<float>(scale), out_ptr + offset, scores, acc,
+                qf, row);
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+constexpr int kKeyTile = 16;  // keys per inner step: one AVX-512 register of fp32 scores
+constexpr int kQueryTile = 16;  // query tokens per task; each brings its GQA group of heads
+constexpr float kMasked = -1e30f;  // not -inf: the kernel is built with -ffast-math (finite values only)
+
+struct PrefillTask {
+  int64_t seq, kv_head, first_query;  // first_query: row of q (global) where this tile starts
+  int64_t num_queries, first_pos;     // positions first_pos .. first_pos + num_queries - 1
+};
+
+// Flash-attention style: each task keeps running max / sum / accumulator per query row and walks the keys in
+// tiles of 16 read straight from the paged cache. Scores are vectorised over keys (K tile transposed once,
+// reused by every query row of the task), the weighted sum over head_dim.
+template <typename scalar_t, int kHeadDim>
+void prefill_task(const PrefillTask& task, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                  const int64_t* table, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t runtime_head_dim, float scale, int64_t window, scalar_t* out, std::vector<float>& work) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t rows = task.num_queries * group;
+  work.assign(rows * head_dim * 2 + rows * 2 + head_dim * kKeyTile * 2, 0.f);
+  float* qf = work.data();                 // [rows][head_dim], row = query * group + g
+  float* acc = qf + rows * head_dim;       // [rows][head_dim]
+  float* row_max = acc + rows * head_dim;  // [rows]
+  float* row_sum = row_max + rows;         // [rows]
+  float* kt = row_sum + rows;              // [head_dim][kKeyTile], K tile transposed
+  float* vt = kt + head_dim * kKeyTile;    // [kKeyTile][head_dim]
+  const int64_t token_stride = num_kv_heads * head_dim;
+  for (int64_t qi = 0; qi < task.num_queries; ++qi) {
+    for (int64_t g = 0; g < group; ++g) {
+      const scalar_t* src = q + ((task.first_query + qi) * num_heads + task.kv_head * group + g) * head_dim;
+      float* dst = qf + (qi * group + g) * head_dim;
+      to_float(src, dst, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] *= scale;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) row_max[r] = kMasked;
+  const int64_t last_pos = task.first_pos + task.num_queries - 1;
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, task.first_pos - window + 1) : 0;
+  for (int64_t key0 = first_key; key0 <= last_pos; key0 += kKeyTile) {
+    const int64_t num_keys = std::min<int64_t>(kKeyTile, last_pos + 1 - key0);
+    for (int64_t t = 0; t < kKeyTile; ++t) {
+      if (t < num_keys) {
+        const int64_t pos = key0 + t;
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        const int64_t offset = slot * token_stride + task.kv_head * head_dim;
+        to_float(v_cache + offset, vt + t * head_dim, head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) kt[d * kKeyTile + t] = static_cast<float>(k_cache[offset + d]);
+      } else {
+        for (int64_t d = 0; d < head_dim; ++d) kt[d * kKeyTile + t] = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) vt[t * head_dim + d] = 0.f;
+      }
+    }
+    for (int64_t qi = 0; qi < task.num_queries; ++qi) {
+      const int64_t pos = task.first_pos + qi;
+      if (key0 > pos) continue;  // the tile starts after this query: it sees none of these keys
+      const int64_t lowest = window > 0 ? pos - window + 1 : 0;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = qi * group + g;
+        const float* qr = qf + r * head_dim;
+        float s[kKeyTile] = {0};
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const float qd = qr[d];
+          const float* ktd = kt + d * kKeyTile;
+          for (int t = 0; t < kKeyTile; ++t) s[t] += qd * ktd[t];
+        }
+        float tile_max = kMasked;
+        for (int t = 0; t < kKeyTile; ++t) {
+          const int64_t key = key0 + t;
+          const bool visible = t < num_keys && key <= pos && key >= lowest;
+          s[t] = visible ? s[t] : kMasked;
+          tile_max = std::max(tile_max, s[t]);
+        }
+        if (tile_max <= kMasked) continue;
+        const float new_max = std::max(row_max[r], tile_max);
+        const float correction = std::exp(row_max[r] - new_max);
+        float tile_sum = 0.f;
+        for (int t = 0; t < kKeyTile; ++t) {
+          s[t] = std::exp(s[t] - new_max);
+          tile_sum += s[t];
+        }
+        row_sum[r] = row_sum[r] * correction + tile_sum;
+        row_max[r] = new_max;
+        float* ar = acc + r * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) ar[d] *= correction;
+        for (int t = 0; t < num_keys; ++t) {
+          const float p = s[t];
+          const float* vrow = vt + t * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * vrow[d];
+        }
+      }
+    }
+  }
+  for (int64_t qi = 0; qi < task.num_queries; ++qi) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = qi * group + g;
+      const float inv = 1.f / row_sum[r];
+      scalar_t* dst = out + ((task.first_query + qi) * num_heads + task.kv_head * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv);
+    }
+  }
+}
+
+}  // namespace
+
+// q: [num_tokens, num_heads, head_dim], the new tokens of every sequence, sequence s owning rows
+// query_start[s] .. query_start[s + 1]; their K/V are already in the cache. context_lens[s] counts the
+// sequence's tokens including the new ones, so query i of s sits at position context_lens[s] - n_s + i.
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_tables, torch::Tensor query_start,
+                                      torch::Tensor context_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kLong, "block_tables: int64");
+  TORCH_CHECK(query_start.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+              "query_start and context_lens: int64");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "KV cache and query must share a dtype");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t num_seqs = context_lens.size(0), max_blocks = block_tables.size(1);
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  std::vector<PrefillTask> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t num_queries = starts[s + 1] - starts[s];
+    const int64_t first_pos = lens[s] - num_queries;
+    // Longest tiles first would balance better; interleaving heads keeps neighbouring tasks on the same K.
+    for (int64_t tile = 0; tile < num_queries; tile += kQueryTile)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        tasks.push_back({s, h, starts[s] + tile, std::min<int64_t>(kQueryTile, num_queries - tile), first_pos + tile});
+  }
+  auto out = torch::empty_like(q);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
+    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    auto task_fn = head_dim == 64 ? prefill_task<scalar_t, 64>
+                   : head_dim == 128 ? prefill_task<scalar_t, 128> : prefill_task<scalar_t, 0>;
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> work;
+      for (int64_t i = begin; i < end; ++i) {
+        const PrefillTask& task = tasks[i];
+        task_fn(task, q_ptr, k_ptr, v_ptr, tables + task.seq * max_blocks, block_size, num_heads, num_kv_heads,
+                head_dim, static_cast<float>(scale), sliding_window, out_ptr, work);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of new tokens over a paged KV cache (CPU)");
+}
