@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvserve.bench.errors import BenchError
 from kvserve.bench.sessions import WORKLOADS
+from kvserve.bench.suite_args import add_suite_arguments
 
 SUITE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
 
@@ -31,9 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="bench_command", metavar="{compare,suite}")
     compare = commands.add_parser("compare", help="side-by-side ratios of saved runs (--output files)")
     compare.add_argument("results", nargs="+", type=Path, metavar="RESULTS.json")
-    suite = commands.add_parser("suite", help="the benchmark suite: python benchmarks/run_all.py [ARGS]",
-                                add_help=False)
-    suite.add_argument("suite_args", nargs=argparse.REMAINDER)
+    suite = commands.add_parser("suite", help="the benchmark suite (python benchmarks/run_all.py)")
+    add_suite_arguments(suite, default_out=None)
 
 
 def add_target_arguments(group) -> None:
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             compare_files(args.results, console)
             return 0
         if args.bench_command == "suite":
-            return run_suite(args.suite_args)
+            return run_suite(args)
         return run_bench(args, console)
     except BenchError as exc:
         print(f"kvserve bench: error: {exc}", file=sys.stderr)
@@ -160,7 +160,7 @@ def run_bench(args: argparse.Namespace, console) -> int:
     return 0 if result.summary.num_completed else 1
 
 
-def run_suite(argv: list[str]) -> int:
+def run_suite(args: argparse.Namespace) -> int:
     """benchmarks/run_all.py lives in the repository, not the package: found next to an editable install."""
     if not SUITE_SCRIPT.is_file():
         raise BenchError(f"the suite needs a kvserve checkout (looked for {SUITE_SCRIPT}); "
@@ -168,4 +168,18 @@ def run_suite(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("kvserve_benchmarks_run_all", SUITE_SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return int(module.main(argv) or 0)
+    if args.out is None:
+        args.out = SUITE_SCRIPT.parent
+    return int(module.run_suite(args, command="kvserve bench suite" + suite_flags(args)) or 0)
+
+
+def suite_flags(args: argparse.Namespace) -> str:
+    """The flags as typed, for the record in RESULTS.md."""
+    flags = []
+    for name in ("quick", "skip_offline", "skip_llama_server"):
+        if getattr(args, name):
+            flags.append("--" + name.replace("_", "-"))
+    for name in ("model", "llama_server", "llama_model"):
+        if getattr(args, name):
+            flags.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    return "".join(" " + flag for flag in flags)

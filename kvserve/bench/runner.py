@@ -118,7 +118,7 @@ async def run_benchmark_async(config: BenchConfig, console: Console) -> BenchRes
         config=config_dict(config),
         target={"base_url": base_url, "model": target.model, "endpoint": target.endpoint,
                 "max_model_len": model.max_model_len, "lengths": length_source},
-        workload=workload.describe() | {"num_requests": config.num_requests, "duration_s": config.duration_s},
+        workload=workload.describe() | {"num_requests": shape.num_requests, "duration_s": shape.duration_s},
         summary=summarize(run.records, run.elapsed_s, slo),
         server=server_view(before, after, gauges, run.elapsed_s),
         records=run.records,

@@ -30,20 +30,20 @@ class SelfAttention(torch.nn.Module):
         self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=dtype)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: object | None,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: "ForwardStep", kv_cache: object | None) -> torch.Tensor:
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = x.shape[0]
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
+        if step.kernels is not None:
+            step.kernels.rotary_qk_(qkv, step.positions, step.rotary.cos_cache, step.rotary.sin_cache,
+                                    self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if step.kernels is None:
+            cos, sin = step.cos_sin(x.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, kv_cache, metadata)
+        out = self.attn(q, k, v, kv_cache, step.metadata)
         return F.linear(out, self.o_proj)
 
 
@@ -55,9 +55,18 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
 
-    def forward(self, x, cos_sin, kv_cache, metadata):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: "ForwardStep", kv_cache: object | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, residual stream before adding it): the next layer's norm adds it,
+        so each residual add fuses with the norm that follows it."""
+        if residual is None:
+            residual = x.clone()
+            hidden = self.input_layernorm(x, step.kernels)
+        else:
+            hidden = self.input_layernorm.add_and_norm(x, residual, step.kernels)
+        hidden = self.self_attn(hidden, step, kv_cache)
+        hidden = self.post_attention_layernorm.add_and_norm(hidden, residual, step.kernels)
+        return self.mlp(hidden, step.kernels), residual
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -71,6 +80,13 @@ class LlamaForCausalLM(torch.nn.Module):
         # Tied checkpoints share the embedding matrix; the loader then never fills lm_head.
         self.lm_head = None if config.tie_word_embeddings else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        # The C++ module for fused CPU ops, or None (portable torch). Set after loading: see use_fused_kernels.
+        self.fused_kernels = None
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        from kvserve.model.cpu_kernels import cpu_attention_kernels
+
+        self.fused_kernels = cpu_attention_kernels() if enabled else None
 
     def forward(
         self,
@@ -82,11 +98,32 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """Logits in fp32 for the tokens at `logits_indices` (all tokens when None)."""
         x = F.embedding(input_ids, self.embed_tokens)
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        step = ForwardStep(positions, metadata, self.rotary, self.fused_kernels if x.device.type == "cpu" else None)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, None if kv_caches is None else kv_caches[i], metadata)
+            x, residual = layer(x, residual, step, None if kv_caches is None else kv_caches[i])
+        residual.add_(x)
+        x = residual
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        x = self.norm(x)
+        x = self.norm(x.contiguous(), step.kernels)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(x, head).float()
+
+
+class ForwardStep:
+    """What every layer of one forward shares: positions, attention metadata, rotary tables, fused kernels."""
+
+    __slots__ = ("positions", "metadata", "rotary", "kernels", "_cos_sin")
+
+    def __init__(self, positions: torch.Tensor, metadata: AttentionMetadata, rotary: RotaryEmbedding, kernels) -> None:
+        self.positions = positions
+        self.metadata = metadata
+        self.rotary = rotary
+        self.kernels = kernels  # the C++ module, or None for the portable torch path
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos_sin is None:
+            self._cos_sin = self.rotary.cos_sin(self.positions, dtype)
+        return self._cos_sin

@@ -98,6 +98,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     with tqdm(total=source.num_tensors(), desc=f"Loading {path.name}", unit="tensor", leave=False) as bar:
         load_weights(net, source.tensors(torch_dtype), checkpoint=str(path), on_tensor=bar.update)
     net.eval()
+    net.use_fused_kernels(device.type == "cpu")
     weights_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     num_params = sum(p.numel() for p in net.parameters())
     name = DEMO_MODEL_NAME if model is None else str(model)
