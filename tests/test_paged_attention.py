@@ -55,33 +55,3 @@ def test_kernel_and_portable_path_match_dense_attention(dtype, heads, kv_heads, 
     got = kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0)
     assert (got.view(num_seqs, -1).float() - expected).abs().max().item() < tolerance
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 40)])
-@pytest.mark.parametrize("window", [None, 20])
-def test_prefill_kernel_matches_dense_causal_attention(dtype, heads, kv_heads, head_dim, window):
-    kernel = cpu_attention_kernels()
-    if kernel is None:
-        pytest.skip("the CPU kernel could not be built here")
-    generator = torch.Generator().manual_seed(1)
-    block_size, num_blocks = 16, 96
-    cache = LayerKVCache(
-        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
-        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
-    )
-    # (past tokens already cached, new tokens): a fresh prompt, a continued chunk, a prefix hit, a 2-token tail.
-    shapes = [(0, 50), (32, 40), (48, 17), (100, 2)]
-    lens = torch.tensor([past + new for past, new in shapes])
-    max_blocks = -(-int(lens.max()) // block_size)
-    tables = torch.randperm(num_blocks, generator=generator)[: len(shapes) * max_blocks].view(len(shapes), max_blocks)
-    query_start = torch.tensor([0] + list(torch.tensor([new for _, new in shapes]).cumsum(0)))
-    q = torch.randn(int(query_start[-1]), heads, head_dim, generator=generator).to(dtype)
-    spec = Spec(heads, kv_heads, head_dim)
-    got = kernel.paged_prefill_attention(q, cache.key, cache.value, tables, query_start, lens, spec.scale, window or 0)
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    for seq, (past, new) in enumerate(shapes):
-        for i in range(new):
-            row = int(query_start[seq]) + i
-            expected = reference(q[row : row + 1], cache, tables[seq : seq + 1], torch.tensor([past + i + 1]), spec,
-                                 block_size, window)
-            assert (got[row].reshape(1, -1).float() - expected).abs().max().item() < tolerance

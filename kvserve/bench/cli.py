@@ -167,6 +167,7 @@ def run_suite(args: argparse.Namespace) -> int:
                          "run python benchmarks/run_all.py from one")
     spec = importlib.util.spec_from_file_location("kvserve_benchmarks_run_all", SUITE_SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     if args.out is None:
         args.out = SUITE_SCRIPT.parent

@@ -14,7 +14,7 @@ from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.cpu_kernels import cpu_attention_kernels
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
+from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSegment
 
 
 class ModelRunner:
@@ -72,11 +72,8 @@ class ModelRunner:
         paged = PagedAttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
         if num_decodes:
             paged.decode = self._decode_group(ordered[:num_decodes])
-        if num_decodes < len(ordered) and self.use_cpu_kernel:
-            paged.prefill_group = self._prefill_group(ordered[num_decodes:], starts[num_decodes])
-        elif num_decodes < len(ordered):
-            for index in range(num_decodes, len(ordered)):
-                paged.prefills.append(self._prefill_segment(ordered[index], starts[index], starts[index + 1]))
+        for index in range(num_decodes, len(ordered)):
+            paged.prefills.append(self._prefill_segment(ordered[index], starts[index], starts[index + 1]))
         return AttentionMetadata(
             query_start_loc=starts,
             num_computed_tokens=[item.request.num_computed_tokens for item in ordered],
@@ -98,19 +95,6 @@ class ModelRunner:
         tables = [self.kv_cache.get_block_table(item.request.request_id)[:max_blocks] for item in items]
         return torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables], dtype=torch.long,
                             device=self.device)
-
-    def _prefill_group(self, prefills: list[ScheduledRequest], first_row: int) -> PrefillGroup:
-        context_lens = [item.request.num_computed_tokens + item.num_new_tokens for item in prefills]
-        query_start = [0]
-        for item in prefills:
-            query_start.append(query_start[-1] + item.num_new_tokens)
-        return PrefillGroup(
-            first_row=first_row,
-            block_tables=self._block_tables(prefills, context_lens),
-            query_start=torch.tensor(query_start, dtype=torch.long, device=self.device),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
-            sliding_window=self.sliding_window,
-        )
 
     def _prefill_segment(self, item: ScheduledRequest, token_start: int, token_end: int) -> PrefillSegment:
         num_past = item.request.num_computed_tokens
