@@ -62,11 +62,12 @@ def system_prompt(min_tokens: int, tokenizer) -> str:
     return text
 
 
-def run(llm: LLM, sessions: list[Session], concurrency: int, max_tokens: int) -> tuple[list[Record], float]:
+def run(llm: LLM, sessions: list[Session], concurrency: int, max_tokens: int, ignore_eos: bool = True
+        ) -> tuple[list[Record], float]:
     """Closed loop: at most `concurrency` sessions have a request in flight; a session's next turn starts
     when its previous answer is complete."""
     engine, tokenizer = llm.engine, llm.get_tokenizer()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     pending: Iterator[Session] = iter(sessions)
     in_flight: dict[str, tuple[Session, float, int]] = {}
     counter = 0
@@ -160,12 +161,13 @@ def main() -> None:
         llm.reset_prefix_cache()
         rec_a, t_a = run(llm, scenario_a(tokenizer, num_a), 16, 32)
         llm.reset_prefix_cache()
-        rec_b, t_b = run(llm, scenario_b(tokenizer, sessions_b, turns_b), sessions_b, 48)
+        # Chats end answers at the model's end-of-turn token, as a chat client would see them.
+        rec_b, t_b = run(llm, scenario_b(tokenizer, sessions_b, turns_b), sessions_b, 64, ignore_eos=False)
         results[flag] = (summarize(rec_a, t_a), summarize(rec_b, t_b, from_turn=1))
     prompt_a = sum(len(tokenizer.encode(s.messages[0]["content"])) for s in scenario_a(tokenizer, 1))
     print_comparison(f"(a) {num_a} requests, ~{prompt_a}-token system prompt + short user turn, concurrency 16, 32 out",
                      results[True][0], results[False][0], "(all requests)")
-    print_comparison(f"(b) {sessions_b} chats x {turns_b} turns, whole history resent, 48 out per turn",
+    print_comparison(f"(b) {sessions_b} chats x {turns_b} turns, whole history resent, answers up to 64 tokens",
                      results[True][1], results[False][1], "(from turn 2)")
 
 

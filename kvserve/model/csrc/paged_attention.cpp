@@ -41,10 +41,20 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   to_float(q, qf.data(), group * head_dim);
   for (int64_t i = 0; i < group * head_dim; ++i) qf[i] *= scale;
   const int64_t token_stride = num_kv_heads * head_dim;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t pos = first_token + t;
-    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-    to_float(k_cache + slot * token_stride + kv_head * head_dim, row.data(), head_dim);
+  // Walk the context block by block: one table lookup per block, no division per token.
+  const int64_t first_block = first_token / block_size;
+  const int64_t last_block = (context_len - 1) / block_size;
+  auto for_each_token = [&](auto&& visit) {
+    for (int64_t b = first_block; b <= last_block; ++b) {
+      const int64_t block_start = b * block_size;
+      const int64_t begin = std::max(first_token, block_start);
+      const int64_t end = std::min(context_len, block_start + block_size);
+      const int64_t base = (table[b] * block_size - block_start) * token_stride + kv_head * head_dim;
+      for (int64_t pos = begin; pos < end; ++pos) visit(pos - first_token, base + pos * token_stride);
+    }
+  };
+  for_each_token([&](int64_t t, int64_t offset) {
+    to_float(k_cache + offset, row.data(), head_dim);
     const float* key = row.data();
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf.data() + g * head_dim;
@@ -52,7 +62,7 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * key[d];
       scores[g * num_tokens + t] = dot;
     }
-  }
+  });
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * num_tokens;
     float max_score = s[0];  // not -inf: the kernel is built with -ffast-math, which assumes finite values
@@ -65,17 +75,15 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const float inv = 1.f / total;
     for (int64_t t = 0; t < num_tokens; ++t) s[t] *= inv;
   }
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t pos = first_token + t;
-    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-    to_float(v_cache + slot * token_stride + kv_head * head_dim, row.data(), head_dim);
+  for_each_token([&](int64_t t, int64_t offset) {
+    to_float(v_cache + offset, row.data(), head_dim);
     const float* value = row.data();
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * num_tokens + t];
       float* a = acc.data() + g * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
     }
-  }
+  });
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<scalar_t>(acc[i]);
 }
 
