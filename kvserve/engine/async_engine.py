@@ -369,20 +369,13 @@ class AsyncLLMEngine:
             if stream is None:
                 continue  # aborted this iteration
             if stream.timing.first_scheduled_time is None:
-                stream.timing.first_scheduled_time = self._first_scheduled_time(output.request_id)
+                stream.timing.first_scheduled_time = output.first_scheduled_time
             stream.timing.record(output, now)
             stream.last_output = output
             if output.finished:
                 del self._streams[output.request_id]
             batch.append((stream, output))
         self._deliver(batch)
-
-    def _first_scheduled_time(self, request_id: str) -> float | None:
-        # RequestOutput does not carry it; read it from the engine's request (same thread, so safe).
-        parent = getattr(self.engine, "parents", {}).get(request_id)
-        if parent is None or not parent.children:
-            return None
-        return getattr(parent.children[0], "first_scheduled_time", None)
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         streams = list(self._streams.values())

@@ -256,6 +256,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
             arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,
             finished_time=max((c.finished_time or 0.0) for c in parent.children) if finished else None,
         )

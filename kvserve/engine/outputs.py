@@ -58,5 +58,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
