@@ -7,7 +7,12 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -22,6 +27,105 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+#if defined(__AVX512F__)
+// 16 elements of a cache row as fp32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The GQA group's query rows (scores pass) and accumulators (values pass) stay in registers across the whole
+// context: kChunks registers per row, at most 16 registers in all.
+template <int kHeadDim>
+struct RegisterPlan {
+  static constexpr int kChunks = kHeadDim / 16;
+  static constexpr int kMaxGroup = kHeadDim > 0 && kHeadDim % 16 == 0 ? 16 / kChunks : 0;
+};
+
+template <typename scalar_t, int kHeadDim, typename ForEachToken>
+void scores_avx512(const float* qf, const scalar_t* k_cache, int64_t group, int64_t num_tokens, float* scores,
+                   ForEachToken&& for_each_token) {
+  constexpr int kChunks = RegisterPlan<kHeadDim>::kChunks, kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
+  __m512 qv[kMaxGroup][kChunks];
+  for (int g = 0; g < group; ++g)
+    for (int c = 0; c < kChunks; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * kHeadDim + c * 16);
+  for_each_token([&](int64_t t, int64_t offset) {
+    __m512 key[kChunks];
+    for (int c = 0; c < kChunks; ++c) key[c] = load16(k_cache + offset + c * 16);
+    for (int g = 0; g < kMaxGroup && g < group; ++g) {
+      __m512 dot = _mm512_mul_ps(qv[g][0], key[0]);
+      for (int c = 1; c < kChunks; ++c) dot = _mm512_fmadd_ps(qv[g][c], key[c], dot);
+      scores[g * num_tokens + t] = _mm512_reduce_add_ps(dot);
+    }
+  });
+}
+
+template <typename scalar_t, int kHeadDim, typename ForEachToken>
+void values_avx512(const scalar_t* v_cache, const float* probs, int64_t group, int64_t num_tokens, float* acc,
+                   ForEachToken&& for_each_token) {
+  constexpr int kChunks = RegisterPlan<kHeadDim>::kChunks, kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
+  __m512 sum[kMaxGroup][kChunks];
+  for (int g = 0; g < kMaxGroup; ++g)
+    for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_setzero_ps();
+  for_each_token([&](int64_t t, int64_t offset) {
+    __m512 value[kChunks];
+    for (int c = 0; c < kChunks; ++c) value[c] = load16(v_cache + offset + c * 16);
+    for (int g = 0; g < kMaxGroup && g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * num_tokens + t]);
+      for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_fmadd_ps(p, value[c], sum[g][c]);
+    }
+  });
+  for (int g = 0; g < group; ++g)
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + g * kHeadDim + c * 16, sum[g][c]);
+}
+#endif
+
+template <typename scalar_t, typename ForEachToken>
+void scores_generic(const float* qf, const scalar_t* k_cache, int64_t group, int64_t head_dim, int64_t num_tokens,
+                    float* scores, float* row, ForEachToken&& for_each_token) {
+  for_each_token([&](int64_t t, int64_t offset) {
+    to_float(k_cache + offset, row, head_dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * head_dim;
+      float dot = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+      scores[g * num_tokens + t] = dot;
+    }
+  });
+}
+
+template <typename scalar_t, typename ForEachToken>
+void values_generic(const scalar_t* v_cache, const float* probs, int64_t group, int64_t head_dim,
+                    int64_t num_tokens, float* acc, float* row, ForEachToken&& for_each_token) {
+  for_each_token([&](int64_t t, int64_t offset) {
+    to_float(v_cache + offset, row, head_dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = probs[g * num_tokens + t];
+      float* a = acc + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+    }
+  });
+}
+
+void softmax_rows(float* scores, int64_t group, int64_t num_tokens) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * num_tokens;
+    float max_score = s[0];  // not -inf: the kernel is built with -ffast-math, which assumes finite values
+    for (int64_t t = 1; t < num_tokens; ++t) max_score = std::max(max_score, s[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      s[t] = std::exp(s[t] - max_score);
+      total += s[t];
+    }
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < num_tokens; ++t) s[t] *= inv;
+  }
 }
 
 // kHeadDim > 0 fixes the head size at compile time so the inner loops unroll into whole SIMD registers;
@@ -53,37 +157,24 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       for (int64_t pos = begin; pos < end; ++pos) visit(pos - first_token, base + pos * token_stride);
     }
   };
-  for_each_token([&](int64_t t, int64_t offset) {
-    to_float(k_cache + offset, row.data(), head_dim);
-    const float* key = row.data();
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qf.data() + g * head_dim;
-      float dot = 0.f;
-      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * key[d];
-      scores[g * num_tokens + t] = dot;
+  bool in_registers = false;
+#if defined(__AVX512F__)
+  constexpr bool kVectorised = RegisterPlan<kHeadDim>::kMaxGroup > 0 && !std::is_same_v<scalar_t, double>;
+  if constexpr (kVectorised) in_registers = group <= RegisterPlan<kHeadDim>::kMaxGroup;
+#endif
+  if (in_registers) {
+#if defined(__AVX512F__)
+    if constexpr (kVectorised) {
+      scores_avx512<scalar_t, kHeadDim>(qf.data(), k_cache, group, num_tokens, scores.data(), for_each_token);
+      softmax_rows(scores.data(), group, num_tokens);
+      values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc.data(), for_each_token);
     }
-  });
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * num_tokens;
-    float max_score = s[0];  // not -inf: the kernel is built with -ffast-math, which assumes finite values
-    for (int64_t t = 1; t < num_tokens; ++t) max_score = std::max(max_score, s[t]);
-    float total = 0.f;
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      s[t] = std::exp(s[t] - max_score);
-      total += s[t];
-    }
-    const float inv = 1.f / total;
-    for (int64_t t = 0; t < num_tokens; ++t) s[t] *= inv;
+#endif
+  } else {
+    scores_generic(qf.data(), k_cache, group, head_dim, num_tokens, scores.data(), row.data(), for_each_token);
+    softmax_rows(scores.data(), group, num_tokens);
+    values_generic(v_cache, scores.data(), group, head_dim, num_tokens, acc.data(), row.data(), for_each_token);
   }
-  for_each_token([&](int64_t t, int64_t offset) {
-    to_float(v_cache + offset, row.data(), head_dim);
-    const float* value = row.data();
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * num_tokens + t];
-      float* a = acc.data() + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
-    }
-  });
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<scalar_t>(acc[i]);
 }
 
