@@ -24,6 +24,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import SERVER_ERROR, APIError
 from kvserve.server.prompts import Prompt
+from kvserve.server.sse import DONE, error_event
 
 RETRY_AFTER_S = "1"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
@@ -172,3 +173,24 @@ def stream_error(ctx: ServerContext, exc: Exception) -> APIError | None:
         logger.error("stream failed", exc_info=exc)
         error = APIError(500, f"internal server error: {type(exc).__name__}", type=SERVER_ERROR)
     return error
+
+
+def usage_options(options) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage) from a request's stream_options."""
+    include_usage = bool(options and options.include_usage)
+    return include_usage, include_usage and bool(options and options.continuous_usage_stats)
+
+
+async def guarded_events(request: Request, ctx: ServerContext, job: EngineJob,
+                         events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """What every SSE route shares: abort on disconnect, an error event instead of a broken stream, [DONE]."""
+    async with abort_on_disconnect(request, job):
+        try:
+            async for item in events:
+                yield item
+        except Exception as exc:
+            error = stream_error(ctx, exc)
+            if error is None:
+                return
+            yield error_event(error)
+        yield DONE

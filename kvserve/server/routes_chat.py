@@ -14,7 +14,7 @@ from kvserve.server.context import ServerContext, get_context
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import (
     CLIENT_CLOSED_REQUEST, ClientGone, EngineJob, abort_on_disconnect, final_outputs, merged_outputs, observe_finished,
-    stream_error, submit,
+    guarded_events, submit, usage_options,
 )
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.prompts import Prompt, check_token_ids, render_chat, resolve_max_tokens, truncate_prompt
@@ -23,7 +23,7 @@ from kvserve.server.responses import (
     chat_body, chat_choice, chat_chunk_body, chat_chunk_choice, json_response, new_response_id, now_unix,
 )
 from kvserve.server.sampling import build_sampling_params, check_common_unsupported
-from kvserve.server.sse import DONE, SSEResponse, error_event, event
+from kvserve.server.sse import SSEResponse, event
 from kvserve.server.stream_state import StreamState, final_usage
 
 router = APIRouter()
@@ -106,30 +106,24 @@ def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, entries) -> dict 
 async def _events(request: Request, ctx: ServerContext, job: EngineJob, body: ChatCompletionRequest,
                   response_id: str, created: int, model: str) -> AsyncIterator[str]:
     state = StreamState(body.n)
-    options = body.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+    include_usage, continuous_usage = usage_options(body.stream_options)
 
     def chunk(choices: list[dict]) -> str:
         return event(chat_chunk_body(response_id, created, model, choices,
                                      state.usage.as_dict() if continuous_usage else None))
 
-    async with abort_on_disconnect(request, job):
-        try:
-            # OpenAI opens every choice with the role and an empty content, one choice per chunk throughout.
-            for index in range(body.n):
-                yield chunk([chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
-            async for prompt_index, output in merged_outputs(job):
-                for delta in state.deltas(prompt_index, output):
-                    yield chunk([chat_chunk_choice(delta.index, {"content": delta.text} if delta.text else {},
-                                                   _logprobs(ctx, body, delta.logprobs), delta.finish_reason,
-                                                   delta.stop_reason)])
-                observe_finished(ctx, job, prompt_index, output)
-            if include_usage:
-                yield event(chat_chunk_body(response_id, created, model, [], state.usage.as_dict()))
-        except Exception as exc:
-            error = stream_error(ctx, exc)
-            if error is None:
-                return
-            yield error_event(error)
-        yield DONE
+    async def chunks() -> AsyncIterator[str]:
+        # OpenAI opens every choice with the role and an empty content, one choice per chunk throughout.
+        for index in range(body.n):
+            yield chunk([chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)])
+        async for prompt_index, output in merged_outputs(job):
+            for delta in state.deltas(prompt_index, output):
+                yield chunk([chat_chunk_choice(delta.index, {"content": delta.text} if delta.text else {},
+                                               _logprobs(ctx, body, delta.logprobs), delta.finish_reason,
+                                               delta.stop_reason)])
+            observe_finished(ctx, job, prompt_index, output)
+        if include_usage:
+            yield event(chat_chunk_body(response_id, created, model, [], state.usage.as_dict()))
+
+    async for item in guarded_events(request, ctx, job, chunks()):
+        yield item

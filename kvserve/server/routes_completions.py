@@ -15,7 +15,7 @@ from kvserve.server.context import ServerContext, get_context
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import (
     CLIENT_CLOSED_REQUEST, ClientGone, EngineJob, abort_on_disconnect, final_outputs, merged_outputs, observe_finished,
-    stream_error, submit,
+    guarded_events, submit, usage_options,
 )
 from kvserve.server.logprobs import completion_logprobs
 from kvserve.server.prompts import (
@@ -26,7 +26,7 @@ from kvserve.server.responses import (
     completion_body, completion_choice, json_response, new_response_id, now_unix,
 )
 from kvserve.server.sampling import build_sampling_params, check_common_unsupported
-from kvserve.server.sse import DONE, SSEResponse, error_event, event
+from kvserve.server.sse import SSEResponse, event
 from kvserve.server.stream_state import StreamState, final_usage
 
 router = APIRouter()
@@ -101,34 +101,28 @@ def _params(ctx: ServerContext, body: CompletionRequest, prompt: Prompt) -> Samp
 async def _events(request: Request, ctx: ServerContext, job: EngineJob, body: CompletionRequest, response_id: str,
                   created: int, model: str) -> AsyncIterator[str]:
     state = StreamState(body.n)
-    options = body.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+    include_usage, continuous_usage = usage_options(body.stream_options)
 
     def chunk(choices: list[dict]) -> str:
         return event(completion_body(response_id, created, model, choices,
                                      state.usage.as_dict() if continuous_usage else None))
 
-    async with abort_on_disconnect(request, job):
-        try:
-            if body.echo:
-                for prompt_index, prompt in enumerate(job.prompts):
-                    for child in range(body.n):
-                        index = prompt_index * body.n + child
-                        state.start_text(index, len(prompt.text or ""))
-                        yield chunk([completion_choice(index, prompt.text or "", None, None, None)])
-            async for prompt_index, output in merged_outputs(job):
-                for delta in state.deltas(prompt_index, output):  # one choice per chunk, as OpenAI streams
-                    logprobs = None if delta.logprobs is None else completion_logprobs(
-                        delta.logprobs, ctx.token_texts, delta.text_offset, body.return_tokens_as_token_ids)
-                    yield chunk([completion_choice(delta.index, delta.text, logprobs, delta.finish_reason,
-                                                   delta.stop_reason)])
-                observe_finished(ctx, job, prompt_index, output)
-            if include_usage:
-                yield event(completion_body(response_id, created, model, [], state.usage.as_dict()))
-        except Exception as exc:
-            error = stream_error(ctx, exc)
-            if error is None:
-                return
-            yield error_event(error)
-        yield DONE
+    async def chunks() -> AsyncIterator[str]:
+        if body.echo:
+            for prompt_index, prompt in enumerate(job.prompts):
+                for child in range(body.n):
+                    index = prompt_index * body.n + child
+                    state.start_text(index, len(prompt.text or ""))
+                    yield chunk([completion_choice(index, prompt.text or "", None, None, None)])
+        async for prompt_index, output in merged_outputs(job):
+            for delta in state.deltas(prompt_index, output):  # one choice per chunk, as OpenAI streams
+                logprobs = None if delta.logprobs is None else completion_logprobs(
+                    delta.logprobs, ctx.token_texts, delta.text_offset, body.return_tokens_as_token_ids)
+                yield chunk([completion_choice(delta.index, delta.text, logprobs, delta.finish_reason,
+                                               delta.stop_reason)])
+            observe_finished(ctx, job, prompt_index, output)
+        if include_usage:
+            yield event(completion_body(response_id, created, model, [], state.usage.as_dict()))
+
+    async for item in guarded_events(request, ctx, job, chunks()):
+        yield item
