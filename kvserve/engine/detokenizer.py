@@ -28,7 +28,6 @@ class IncrementalDetokenizer:
     prefix_offset: int = 0
     read_offset: int = 0
     num_sent_chars: int = 0  # chars of `text` already handed out as deltas
-    sent_text: str = ""  # text[:num_sent_chars], kept so outputs can reference it without slicing each step
 
     def append(self, token_id: int) -> str | None:
         """Adds one output token; returns the stop string it completed, if any."""
@@ -49,8 +48,6 @@ class IncrementalDetokenizer:
         end = len(self.text) if finished or not self.stop else max(self.num_sent_chars, len(self.text) - self._longest_stop + 1)
         out = self.text[self.num_sent_chars : end]
         self.num_sent_chars = end
-        if out:
-            self.sent_text += out
         return out
 
     @property

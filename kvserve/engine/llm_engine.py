@@ -6,6 +6,7 @@ through the prefix cache, and their outputs are gathered under the parent's id.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -144,8 +145,7 @@ class LLMEngine:
         child_params = params
         if params.n > 1 and params.seed is not None:
             # Each sibling draws differently, yet reproducibly.
-            child_params = SamplingParams(**{f: getattr(params, f) for f in params.__dataclass_fields__})
-            child_params.seed = params.seed + index
+            child_params = dataclasses.replace(params, seed=params.seed + index)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, stop=list(params.stop), skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
@@ -277,8 +277,8 @@ class LLMEngine:
             delta_text=delta_text,
             delta_token_ids=request.output_token_ids[sent:num_tokens],
             delta_logprobs=request.logprobs[sent:num_tokens] if wants_logprobs else None,
-            # Strings are immutable: holding the detokenizer's current text is a snapshot already.
-            _text=detok.text if finished else detok.sent_text,
+            _text=detok.text,
+            _num_chars=len(detok.text) if finished else detok.num_sent_chars,
             _tokens=request.output_token_ids,
             _num_tokens=num_tokens,
             _logprobs=request.logprobs if wants_logprobs else None,

@@ -100,8 +100,10 @@ class ModelRunner:
         num_past = item.request.num_computed_tokens
         context_slots = None
         if num_past:
-            context_slots = torch.tensor(
-                self._slots(item.request.request_id, 0, num_past + item.num_new_tokens), dtype=torch.long,
-                device=self.device,
-            )
+            # Whole blocks expanded to slots in one vectorised op: a prefix hit can cover thousands of tokens.
+            context_len = num_past + item.num_new_tokens
+            table = self.kv_cache.get_block_table(item.request.request_id)[: -(-context_len // self.block_size)]
+            blocks = torch.tensor(table, dtype=torch.long, device=self.device)
+            offsets = torch.arange(self.block_size, dtype=torch.long, device=self.device)
+            context_slots = (blocks.unsqueeze(1) * self.block_size + offsets).flatten()[:context_len]
         return PrefillSegment(token_start, token_end, num_past, context_slots)

@@ -23,14 +23,15 @@ class CompletionOutput:
     delta_text: str  # new since the previous output of this request (for streaming)
     delta_token_ids: list[int]
     delta_logprobs: list[TokenLogprobs] | None
-    _text: str
+    _text: str  # the detokenizer's text at this step (strings are immutable: holding it is a snapshot)
+    _num_chars: int  # how much of it this output shows
     _tokens: list[int]
     _num_tokens: int
     _logprobs: list[TokenLogprobs] | None
 
     @property
     def text(self) -> str:
-        return self._text
+        return self._text[: self._num_chars]
 
     @property
     def token_ids(self) -> list[int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.model.loader import LoadedModel
+from kvserve.model.loader import DTYPES, LoadedModel
 from kvserve.planner.budget import kv_pool_bytes, max_concurrency, max_model_len_for_blocks, num_blocks_for_pool
 from kvserve.planner.kv import kv_block_bytes
 from kvserve.planner.specs import spec_from_hf_config
@@ -51,8 +51,7 @@ class PoolPlan:
 
 
 def kv_storage_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    return model_dtype if config.cache.kv_cache_dtype == "auto" else names[config.cache.kv_cache_dtype]
+    return model_dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -98,7 +98,10 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
                 return  # FCFS: nobody overtakes the request that does not fit
-            self.waiting.remove(request) if request is not self.waiting[0] else self.waiting.popleft()
+            if request is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)  # lpm picked one from further back
             self._lpm_skips.pop(request.request_id, None)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
