@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.cache.kv_storage import LayerKVCache
-from kvserve.model.cpu_kernels import cpu_attention_kernels
+from kvserve.model.cpu_kernels import cpu_kernels
 from kvserve.model.paged_attention import DecodeGroup, _decode_portable
 
 
@@ -49,7 +49,7 @@ def test_kernel_and_portable_path_match_dense_attention(dtype, heads, kv_heads, 
     group = DecodeGroup(tables, lens, block_size, window, use_kernel=False)
     portable = _decode_portable(spec, q.view(num_seqs, -1), cache, group).float()
     assert (portable - expected).abs().max().item() < tolerance
-    kernel = cpu_attention_kernels()
+    kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("the CPU kernel could not be built here")
     got = kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0)

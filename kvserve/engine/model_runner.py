@@ -12,7 +12,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_storage import LayerKVCache
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.cpu_kernels import cpu_attention_kernels
+from kvserve.model.cpu_kernels import cpu_kernels
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSegment
 
@@ -26,7 +26,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.sliding_window = model.config.sliding_window
-        self.use_cpu_kernel = device.type == "cpu" and cpu_attention_kernels() is not None
+        self.use_cpu_kernel = device.type == "cpu" and cpu_kernels() is not None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:

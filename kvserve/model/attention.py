@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.paged_attention import paged_attention
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -56,8 +58,6 @@ class Attention(torch.nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         if metadata.paged is not None:
-            from kvserve.model.paged_attention import paged_attention
-
             return paged_attention(self, q, k, v, kv_cache, metadata)
         return self._cacheless(q, k, v, metadata)
 

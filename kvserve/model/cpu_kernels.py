@@ -18,8 +18,8 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 
 
 @cache
-def cpu_attention_kernels():
-    """The compiled module (paged_decode_attention, paged_prefill_attention), or None when it cannot be built."""
+def cpu_kernels():
+    """The compiled module (paged decode attention and the fused ops), or None when it cannot be built."""
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:

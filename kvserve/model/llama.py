@@ -84,9 +84,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.fused_kernels = None
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
-        from kvserve.model.cpu_kernels import cpu_attention_kernels
+        from kvserve.model.cpu_kernels import cpu_kernels
 
-        self.fused_kernels = cpu_attention_kernels() if enabled else None
+        self.fused_kernels = cpu_kernels() if enabled else None
 
     def forward(
         self,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.cache.kv_storage import LayerKVCache
-from kvserve.model.cpu_kernels import cpu_attention_kernels
+from kvserve.model.cpu_kernels import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -90,7 +90,7 @@ def _decode(attn, q: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup, o
     num_decodes = group.num_decodes
     q_dec = q[:num_decodes]
     if group.use_kernel:
-        result = cpu_attention_kernels().paged_decode_attention(
+        result = cpu_kernels().paged_decode_attention(
             q_dec.contiguous(), kv_cache.key, kv_cache.value, group.block_tables, group.context_lens, attn.scale,
             group.sliding_window or 0,
         )
