@@ -175,6 +175,25 @@ def test_a_slow_consumer_gets_merged_outputs(engine):
     asyncio.run(engine.shutdown())
 
 
+def test_merged_outputs_keep_every_new_logprob(engine):
+    async def run():
+        stream = engine.submit("slow-logprobs", [5, 6, 7], params(10, logprobs=2))
+        await stream.accepted()
+        deadline = time.monotonic() + 10
+        while engine.snapshot.stats.generation_tokens < 10 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
+        outputs = [output async for output in stream]
+        stream.close()
+        return outputs
+
+    outputs = asyncio.run(run())
+    choice = outputs[-1].outputs[0]
+    streamed = [entry for output in outputs for entry in output.outputs[0].delta_logprobs]
+    assert [e.token_id for e in streamed] == choice.token_ids and len(streamed) == 10
+    asyncio.run(engine.shutdown())
+
+
 def test_an_engine_that_cannot_recover_is_dead_and_says_so(engine, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")

@@ -205,6 +205,8 @@ def _merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     for old_choice, new_choice in zip(older.outputs, newer.outputs):
         new_choice.delta_text = old_choice.delta_text + new_choice.delta_text
         new_choice.delta_token_ids = old_choice.delta_token_ids + new_choice.delta_token_ids
+        if new_choice.delta_logprobs is not None:
+            new_choice.delta_logprobs = (old_choice.delta_logprobs or []) + new_choice.delta_logprobs
     return newer
 
 
