@@ -12,6 +12,11 @@ try:
 except ModelLoadError as exc:
     pytest.skip(f"demo model not installed: {exc}", allow_module_level=True)
 
+# The bare "What is the capital of France?" is a near-tie for this 135M 4-bit model: its first token "The" leads
+# "L'" by 0.08 nats in fp32, within bf16 noise, so any change of bf16 rounding can flip the greedy answer.
+# With "Answer in one sentence." the lead is 0.86 nats in fp32 and in bf16, kernels or not.
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}],
@@ -64,7 +69,7 @@ def test_demo_generates_sensible_text():
     from kvserve import LLM, SamplingParams
 
     llm = LLM(None, kv_cache_memory=0.25, max_model_len=1024)
-    out = llm.chat(CONVERSATIONS[0], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text
     kv = llm.engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks

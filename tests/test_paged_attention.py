@@ -55,3 +55,69 @@ def test_kernel_and_portable_path_match_dense_attention(dtype, heads, kv_heads, 
     got = kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0)
     assert (got.view(num_seqs, -1).float() - expected).abs().max().item() < tolerance
 
+
+
+def dense_prefill(q, cache, tables, starts, pasts, spec, block_size, window):
+    """Causal attention of each segment's queries over its whole context read from the cache's slots, in fp32."""
+    group = spec.num_heads // spec.num_kv_heads
+    outs = []
+    for seg, past in enumerate(pasts):
+        num_queries = starts[seg + 1] - starts[seg]
+        context = past + num_queries
+        slots = [tables[seg][p // block_size] * block_size + p % block_size for p in range(context)]
+        k = cache.flat_key[slots].float().repeat_interleave(group, dim=1)
+        v = cache.flat_value[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[starts[seg]:starts[seg + 1]].float(), k) * spec.scale
+        query_pos = torch.arange(num_queries).unsqueeze(1) + past
+        key_pos = torch.arange(context).unsqueeze(0)
+        visible = key_pos <= query_pos
+        if window:
+            visible &= key_pos > query_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(num_queries, -1))
+    return torch.cat(outs)
+
+
+PREFILL_CASES = {
+    # name: (heads, kv_heads, head_dim, new tokens per segment, cached past per segment, window)
+    "one prompt, GQA 3": (9, 3, 64, [415], [0], None),
+    "chunks continuing a past, across online-softmax chunks": (9, 3, 64, [1, 17, 300, 5], [0, 40, 700, 1000], None),
+    "MHA, head_dim 128": (4, 4, 128, [33, 260], [15, 0], None),
+    "sliding window": (8, 2, 64, [100, 600], [0, 37], 50),
+    "window inside a long past, head_dim 256": (8, 1, 256, [70], [300], 100),
+}
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_kernel_matches_dense_attention(case):
+    """All prefill segments of a step in one call, reading K/V through block tables; rows outside the segments
+    (the step's decodes) are left alone, and q may be a strided view of the fused qkv activation."""
+    kernel = cpu_kernels()
+    if kernel is None or not kernel.has_prefill_attention():
+        pytest.skip("the bf16 prefill kernel needs a compiler and a CPU with AVX512-BF16")
+    heads, kv_heads, head_dim, lengths, pasts, window = PREFILL_CASES[case]
+    generator = torch.Generator().manual_seed(0)
+    block_size, num_decode_rows = 16, 3
+    blocks_per_seq = [-(-(n + p) // block_size) for n, p in zip(lengths, pasts)]
+    num_blocks = sum(blocks_per_seq) + 4
+    cache = LayerKVCache(
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).bfloat16(),
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).bfloat16(),
+    )
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, used = [], 0
+    for count in blocks_per_seq:
+        tables.append(order[used:used + count] + [0] * (max(blocks_per_seq) - count))
+        used += count
+    starts = [num_decode_rows]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    qkv = torch.randn(starts[-1], (heads + 2 * kv_heads) * head_dim, generator=generator).bfloat16()
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)
+    out = torch.full((starts[-1], heads * head_dim), 7.0, dtype=torch.bfloat16)
+    spec = Spec(heads, kv_heads, head_dim)
+    kernel.paged_prefill_attention(q, cache.key, cache.value, torch.tensor(tables), torch.tensor(starts),
+                                   torch.tensor(pasts), spec.scale, window or 0, out)
+    expected = dense_prefill(q, cache, tables, starts, pasts, spec, block_size, window)
+    assert (out[num_decode_rows:].float() - expected).abs().max().item() < 3e-2
+    assert (out[:num_decode_rows] == 7.0).all()

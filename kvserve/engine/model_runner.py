@@ -14,7 +14,7 @@ from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.cpu_kernels import cpu_kernels
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSegment
+from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
 
 
 class ModelRunner:
@@ -26,7 +26,13 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.sliding_window = model.config.sliding_window
-        self.use_cpu_kernel = device.type == "cpu" and cpu_kernels() is not None
+        kernels = cpu_kernels() if device.type == "cpu" else None
+        self.use_cpu_kernel = kernels is not None
+        self.use_prefill_kernel = (
+            kernels is not None and kernels.has_prefill_attention()
+            and model.dtype == torch.bfloat16 and kv_caches[0].key.dtype == torch.bfloat16
+            and model.config.head_dim % 64 == 0
+        )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
@@ -72,8 +78,8 @@ class ModelRunner:
         paged = PagedAttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
         if num_decodes:
             paged.decode = self._decode_group(ordered[:num_decodes])
-        for index in range(num_decodes, len(ordered)):
-            paged.prefills.append(self._prefill_segment(ordered[index], starts[index], starts[index + 1]))
+        if num_decodes < len(ordered):
+            paged.prefill = self._prefill_group(ordered[num_decodes:], starts[num_decodes:])
         return AttentionMetadata(
             query_start_loc=starts,
             num_computed_tokens=[item.request.num_computed_tokens for item in ordered],
@@ -95,6 +101,20 @@ class ModelRunner:
         tables = [self.kv_cache.get_block_table(item.request.request_id)[:max_blocks] for item in items]
         return torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables], dtype=torch.long,
                             device=self.device)
+
+    def _prefill_group(self, prefills: list[ScheduledRequest], starts: list[int]) -> PrefillGroup:
+        if not self.use_prefill_kernel:
+            segments = [self._prefill_segment(item, starts[i], starts[i + 1]) for i, item in enumerate(prefills)]
+            return PrefillGroup(segments, kernel_inputs=None)
+        context_lens = [item.request.num_computed_tokens + item.num_new_tokens for item in prefills]
+        segments = [PrefillSegment(starts[i], starts[i + 1], item.request.num_computed_tokens, None)
+                    for i, item in enumerate(prefills)]
+        kernel_inputs = (
+            self._block_tables(prefills, context_lens),
+            torch.tensor(starts, dtype=torch.long),
+            torch.tensor([item.request.num_computed_tokens for item in prefills], dtype=torch.long),
+        )
+        return PrefillGroup(segments, kernel_inputs)
 
     def _prefill_segment(self, item: ScheduledRequest, token_start: int, token_end: int) -> PrefillSegment:
         num_past = item.request.num_computed_tokens

@@ -14,7 +14,7 @@ from pathlib import Path
 
 logger = logging.getLogger("kvserve.model")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_attention.cpp")]
 
 
 @cache
@@ -27,7 +27,7 @@ def cpu_kernels():
 
         return load(
             name="kvserve_paged_attention",
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             # -fopenmp: at::parallel_for is header code that runs serially unless OpenMP is on at compile time.
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

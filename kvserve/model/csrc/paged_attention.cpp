@@ -84,6 +84,61 @@ void values_avx512(const scalar_t* v_cache, const float* probs, int64_t group, i
   for (int g = 0; g < group; ++g)
     for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + g * kHeadDim + c * 16, sum[g][c]);
 }
+
+#if defined(__AVX512BF16__)
+// Asks for a cache row ahead of use: the context of a decode step is usually out of cache (30 layers of a
+// batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly.
+constexpr int64_t kPrefetchDistance = 64;  // tokens
+inline void prefetch_row(const at::BFloat16* row, int64_t head_dim) {
+  for (int64_t byte = 0; byte < head_dim * 2; byte += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+}
+
+// Lane i of the result is the horizontal sum of v[i]: a transpose-and-add tree, ~3 instructions per vector
+// where a reduction per vector takes ~10.
+inline __m512 horizontal_sums16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // quads[i], 128-bit lane L: partial sums over lane L of v[4i..4i+3]; now add the four lanes.
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// bf16 scores straight from the cache rows with vdpbf16ps (bf16 pair products, fp32 sums): no widening, and
+// 16 keys reduced together. q is the GQA group's unscaled bf16 rows; `scale` applies to the fp32 scores.
+template <int kHeadDim>
+void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const std::vector<int64_t>& offsets,
+                 int64_t group, float scale, float* scores) {
+  constexpr int kVectors = kHeadDim / 32;
+  const int64_t num_tokens = static_cast<int64_t>(offsets.size());
+  for (int64_t g = 0; g < group; ++g) {
+    __m512bh qv[kVectors];
+    for (int c = 0; c < kVectors; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * kHeadDim + c * 32);
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
+      const int64_t count = std::min<int64_t>(16, num_tokens - t0);
+      if (g == 0)  // keys kPrefetchDistance ahead are on their way while these are summed
+        for (int64_t i = t0 == 0 ? 0 : t0 + kPrefetchDistance - 16; i < std::min(t0 + kPrefetchDistance, num_tokens); ++i)
+          prefetch_row(k_cache + offsets[i], kHeadDim);
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        const at::BFloat16* key = k_cache + offsets[t0 + std::min<int64_t>(i, count - 1)];
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < kVectors; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(key + c * 32));
+        dots[i] = acc;
+      }
+      const __m512 sums = _mm512_mul_ps(horizontal_sums16(dots), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + g * num_tokens + t0, static_cast<__mmask16>((1u << count) - 1), sums);
+    }
+  }
+}
+#endif
 #endif
 
 template <typename scalar_t, typename ForEachToken>
@@ -128,6 +183,11 @@ void softmax_rows(float* scores, int64_t group, int64_t num_tokens) {
   }
 }
 
+template <typename scalar_t>
+void write_out(const std::vector<float>& acc, scalar_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+}
+
 // kHeadDim > 0 fixes the head size at compile time so the inner loops unroll into whole SIMD registers;
 // 0 takes it from `runtime_head_dim`.
 template <typename scalar_t, int kHeadDim>
@@ -135,7 +195,7 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
                  int64_t context_len, int64_t first_token, int64_t block_size, int64_t num_kv_heads,
                  int64_t kv_head, int64_t group, int64_t runtime_head_dim, float scale, scalar_t* out,
                  std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
-                 std::vector<float>& row) {
+                 std::vector<float>& row, std::vector<int64_t>& offsets) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t num_tokens = context_len - first_token;
   scores.assign(group * num_tokens, 0.f);
@@ -165,6 +225,22 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   if (in_registers) {
 #if defined(__AVX512F__)
     if constexpr (kVectorised) {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHeadDim % 32 == 0) {
+        offsets.clear();
+        for_each_token([&](int64_t, int64_t offset) { offsets.push_back(offset); });
+        scores_bf16<kHeadDim>(q, k_cache, offsets, group, scale, scores.data());
+        softmax_rows(scores.data(), group, num_tokens);
+        auto for_each_prefetched = [&](auto&& visit) {
+          for (int64_t t = 0; t < num_tokens; ++t) {
+            if (t + kPrefetchDistance < num_tokens) prefetch_row(v_cache + offsets[t + kPrefetchDistance], kHeadDim);
+            visit(t, offsets[t]);
+          }
+        };
+        values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc.data(), for_each_prefetched);
+        return write_out(acc, out, group * head_dim);
+      }
+#endif
       scores_avx512<scalar_t, kHeadDim>(qf.data(), k_cache, group, num_tokens, scores.data(), for_each_token);
       softmax_rows(scores.data(), group, num_tokens);
       values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc.data(), for_each_token);
@@ -175,7 +251,7 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     softmax_rows(scores.data(), group, num_tokens);
     values_generic(v_cache, scores.data(), group, head_dim, num_tokens, acc.data(), row.data(), for_each_token);
   }
-  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+  write_out(acc, out, group * head_dim);
 }
 
 }  // namespace
@@ -206,6 +282,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc, qf, row;
+      std::vector<int64_t> offsets;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
         const int64_t context_len = lens[seq];
@@ -215,7 +292,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                        : head_dim == 128 ? decode_task<scalar_t, 128> : decode_task<scalar_t, 0>;
         task_fn(q_ptr + offset, k_ptr, v_ptr, tables + seq * max_blocks, context_len, first, block_size,
                 num_kv_heads, kv_head, group, head_dim, static_cast<float>(scale), out_ptr + offset, scores, acc,
-                qf, row);
+                qf, row, offsets);
       }
     });
   });
@@ -347,7 +424,16 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// prefill_attention.cpp
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                             torch::Tensor query_starts, torch::Tensor num_past, double scale, int64_t sliding_window,
+                             torch::Tensor out);
+bool has_prefill_attention();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "prefill attention over a paged KV cache, all segments of a step in one call (CPU, bf16, AVX512-BF16)");
+  m.def("has_prefill_attention", &has_prefill_attention, "whether paged_prefill_attention was built for this CPU");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm of the residual (CPU)");

@@ -1,0 +1,337 @@
+// Prefill attention straight over the paged KV cache, for CPUs with AVX512-BF16 (bf16 models).
+//
+// Every prefill segment of a step (a sequence's new tokens, possibly continuing a cached past) in one call.
+// The new tokens' K/V are already in the cache, so keys are read through the block table whatever their age:
+// a prefix-cache hit or an earlier chunk costs no gather.
+//
+// Two phases:
+//  1. pack: each (segment, KV head)'s keys and values are copied once into the operand layouts of vdpbf16ps
+//     (which multiplies bf16 pairs and accumulates in fp32):
+//       K tiles of 16 keys, [head_dim/2][16 keys][2 dims]: one load gives a dim pair for 16 keys;
+//       V as [key pairs][head_dim][2 keys]: one load gives 16 dims of a key pair.
+//  2. attend: a task is a block of query rows (positions x the KV head's GQA group) that walks its causal key
+//     range in chunks with an online softmax (fp32 running max and sum, as flash attention does), so scratch
+//     stays in cache at any context length. Scores are fp32, probabilities bf16 for the PV product.
+// Tasks are handed out dynamically: causal blocks near the end of a prompt cost more than those at its start.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+namespace {
+
+constexpr int64_t kKeyTile = 16;     // keys per packed K tile: one zmm of fp32 scores
+constexpr int64_t kChunk = 256;      // keys per online-softmax step (a multiple of kKeyTile)
+constexpr int64_t kRowsTarget = 48;  // query rows per task: positions x group
+constexpr int kQKRows = 8;           // rows per QK register tile (x 2 key tiles = 16 accumulators)
+constexpr int kPVRows = 6;           // rows per PV register tile (x 4 dim chunks = 24 accumulators)
+constexpr float kNoScore = -1e30f;   // not -inf: the kernels are built with -ffast-math
+
+inline __m512bh as_bf16_pairs(__m512i x) { return (__m512bh)x; }
+
+// e^x for x <= 0 (softmax arguments): 2^(x log2 e) split into an integer power (vscalefps) and a degree-6
+// polynomial of the fraction; relative error ~2e-7, far below bf16's.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Segment {
+  int64_t token_start, num_queries, num_past, key_begin, num_keys;  // keys [key_begin, key_begin + num_keys)
+  const int64_t* table;
+  int64_t packed_offset;  // bf16 elements into the packed K (and V) buffer, for KV head 0
+};
+
+// Copies keys [key_begin, key_begin + num_keys) of one KV head into the packed layouts; padding stays zero.
+void pack_head(const Segment& seg, const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
+               int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, uint16_t* k_packed, uint16_t* v_packed) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < seg.num_keys; ++i) {
+    const int64_t pos = seg.key_begin + i;
+    const int64_t slot = seg.table[pos / block_size] * block_size + pos % block_size;
+    const uint16_t* k_row = k_cache + (slot * num_kv_heads + kv_head) * head_dim;
+    const uint16_t* v_row = v_cache + (slot * num_kv_heads + kv_head) * head_dim;
+    uint32_t* tile = reinterpret_cast<uint32_t*>(k_packed + (i / kKeyTile) * kKeyTile * head_dim);
+    const uint32_t* k_pairs = reinterpret_cast<const uint32_t*>(k_row);
+    for (int64_t dp = 0; dp < half; ++dp) tile[dp * kKeyTile + i % kKeyTile] = k_pairs[dp];
+    uint16_t* v_pair = v_packed + (i / 2) * 2 * head_dim + i % 2;
+    for (int64_t d = 0; d < head_dim; ++d) v_pair[2 * d] = v_row[d];
+  }
+}
+
+// scores[r][t * 16 + lane] = q_r . k_(t * 16 + lane) for kTiles key tiles.
+template <int kRows, int kTiles>
+inline void qk_tile(const uint32_t* const* q_rows, const uint16_t* k_tiles, int64_t head_dim, float* scores,
+                    int64_t stride) {
+  __m512 acc[kRows][kTiles];
+  for (int r = 0; r < kRows; ++r)
+    for (int t = 0; t < kTiles; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t half = head_dim / 2;
+  for (int64_t dp = 0; dp < half; ++dp) {
+    __m512bh k[kTiles];
+    for (int t = 0; t < kTiles; ++t)
+      k[t] = as_bf16_pairs(_mm512_loadu_si512(k_tiles + t * kKeyTile * head_dim + dp * 2 * kKeyTile));
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh q = as_bf16_pairs(_mm512_set1_epi32(static_cast<int>(q_rows[r][dp])));
+      for (int t = 0; t < kTiles; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], q, k[t]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int t = 0; t < kTiles; ++t) _mm512_storeu_ps(scores + r * stride + t * kKeyTile, acc[r][t]);
+}
+
+template <int kRows>
+void qk_rows(const uint32_t* const* q_rows, const uint16_t* k_tiles, int64_t num_tiles, int64_t head_dim,
+             float* scores, int64_t stride) {
+  int64_t t = 0;
+  for (; t + 2 <= num_tiles; t += 2)
+    qk_tile<kRows, 2>(q_rows, k_tiles + t * kKeyTile * head_dim, head_dim, scores + t * kKeyTile, stride);
+  if (t < num_tiles) qk_tile<kRows, 1>(q_rows, k_tiles + t * kKeyTile * head_dim, head_dim, scores + t * kKeyTile, stride);
+}
+
+// acc[r][0:64] += sum over key pairs of p[r][pair] * v[pair][0:64], for one 64-dim slice of the head.
+template <int kRows>
+inline void pv_tile(const uint32_t* probs, int64_t probs_stride, const uint16_t* v_pairs, int64_t num_pairs,
+                    int64_t head_dim, float* acc, int64_t acc_stride) {
+  __m512 sum[kRows][4];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_loadu_ps(acc + r * acc_stride + c * 16);
+  for (int64_t jp = 0; jp < num_pairs; ++jp) {
+    const uint16_t* row = v_pairs + jp * 2 * head_dim;
+    __m512bh v[4];
+    for (int c = 0; c < 4; ++c) v[c] = as_bf16_pairs(_mm512_loadu_si512(row + c * 32));
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh p = as_bf16_pairs(_mm512_set1_epi32(static_cast<int>(probs[r * probs_stride + jp])));
+      for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], p, v[c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * acc_stride + c * 16, sum[r][c]);
+}
+
+template <int kRows>
+void pv_slices(const uint32_t* probs, int64_t probs_stride, const uint16_t* v_pairs, int64_t num_pairs,
+               int64_t head_dim, float* acc, int64_t acc_stride) {
+  for (int64_t d = 0; d < head_dim; d += 64)
+    pv_tile<kRows>(probs, probs_stride, v_pairs + 2 * d, num_pairs, head_dim, acc + d, acc_stride);
+}
+
+// Runtime row count -> compile-time register tile.
+template <int kMax, template <int> class Fn, typename... Args>
+void dispatch_rows(int rows, Args&&... args) {
+  if constexpr (kMax > 0) {
+    if (rows == kMax) return Fn<kMax>::run(std::forward<Args>(args)...);
+    return dispatch_rows<kMax - 1, Fn>(rows, std::forward<Args>(args)...);
+  }
+}
+template <int kRows> struct QK { template <typename... A> static void run(A&&... a) { qk_rows<kRows>(a...); } };
+template <int kRows> struct PV { template <typename... A> static void run(A&&... a) { pv_slices<kRows>(a...); } };
+
+struct Scratch {
+  std::vector<float> scores, acc, row_max, row_sum;
+  std::vector<uint32_t> probs;  // bf16 pairs
+  std::vector<const uint32_t*> q_rows;
+};
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, group, q_stride, out_stride, sliding_window;
+  float scale;
+};
+
+// One task: query positions [first, first + count) of a segment, for the query heads of one KV head.
+void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t count, const Shape& shape,
+                  const uint16_t* q, const uint16_t* k_packed, const uint16_t* v_packed, uint16_t* out,
+                  Scratch& s) {
+  const int64_t group = shape.group, head_dim = shape.head_dim, rows = count * group;
+  const int64_t stride = kChunk;
+  s.scores.resize(rows * stride);
+  s.probs.resize(rows * stride / 2);
+  s.acc.assign(rows * head_dim, 0.f);
+  s.row_max.assign(rows, kNoScore);
+  s.row_sum.assign(rows, 0.f);
+  s.q_rows.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = seg.token_start + first + r / group;
+    const int64_t head = kv_head * group + r % group;
+    s.q_rows[r] = reinterpret_cast<const uint32_t*>(q + token * shape.q_stride + head * head_dim);
+  }
+  // Causal range of the block: up to its last position; from the window start of its first position.
+  const int64_t first_pos = seg.num_past + first, end_pos = seg.num_past + first + count;
+  int64_t lo = seg.key_begin;
+  if (shape.sliding_window > 0) lo = std::max(lo, first_pos - shape.sliding_window + 1);
+  lo = seg.key_begin + (lo - seg.key_begin) / kKeyTile * kKeyTile;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 scale = _mm512_set1_ps(shape.scale);
+  for (int64_t chunk = lo; chunk < end_pos; chunk += kChunk) {
+    const int64_t num_keys = std::min(kChunk, end_pos - chunk);
+    const int64_t num_tiles = (num_keys + kKeyTile - 1) / kKeyTile;
+    const uint16_t* k_tiles = k_packed + (chunk - seg.key_begin) * head_dim;
+    for (int64_t r = 0; r < rows; r += kQKRows)
+      dispatch_rows<kQKRows, QK>(static_cast<int>(std::min<int64_t>(kQKRows, rows - r)), s.q_rows.data() + r,
+                                 k_tiles, num_tiles, head_dim, s.scores.data() + r * stride, stride);
+    // Online softmax: rescale each row's running sum and output by e^(old max - new max).
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = seg.num_past + first + r / group;
+      const __m512i last_visible = _mm512_set1_epi32(static_cast<int>(pos - chunk));
+      const __m512i first_visible = _mm512_set1_epi32(
+          static_cast<int>(shape.sliding_window > 0 ? pos - shape.sliding_window + 1 - chunk : -1));
+      float* row = s.scores.data() + r * stride;
+      __m512 max_v = _mm512_set1_ps(kNoScore);
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(t * kKeyTile)));
+        const __mmask16 visible = _mm512_cmple_epi32_mask(key, last_visible) & _mm512_cmpge_epi32_mask(key, first_visible);
+        const __m512 v = _mm512_mask_mul_ps(_mm512_set1_ps(kNoScore), visible, _mm512_loadu_ps(row + t * kKeyTile), scale);
+        _mm512_storeu_ps(row + t * kKeyTile, v);
+        max_v = _mm512_max_ps(max_v, v);
+      }
+      const float old_max = s.row_max[r];
+      const float new_max = std::max(old_max, _mm512_reduce_max_ps(max_v));
+      const __m512 shift = _mm512_set1_ps(new_max);
+      __m512 sum_v = _mm512_setzero_ps();
+      __m256bh* probs = reinterpret_cast<__m256bh*>(s.probs.data() + r * stride / 2);
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const __m512 v = _mm512_loadu_ps(row + t * kKeyTile);
+        const __mmask16 visible = _mm512_cmp_ps_mask(v, _mm512_set1_ps(kNoScore), _CMP_GT_OQ);
+        const __m512 p = _mm512_maskz_mov_ps(visible, exp_nonpositive(_mm512_sub_ps(v, shift)));
+        sum_v = _mm512_add_ps(sum_v, p);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)_mm512_cvtneps_pbh(p));
+      }
+      const float correction = old_max == new_max ? 1.f : std::exp(old_max - new_max);
+      s.row_sum[r] = s.row_sum[r] * correction + _mm512_reduce_add_ps(sum_v);
+      s.row_max[r] = new_max;
+      if (correction != 1.f) {
+        float* acc = s.acc.data() + r * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+      }
+    }
+    const int64_t num_pairs = num_tiles * kKeyTile / 2;
+    const uint16_t* v_pairs = v_packed + (chunk - seg.key_begin) * head_dim;
+    for (int64_t r = 0; r < rows; r += kPVRows)
+      dispatch_rows<kPVRows, PV>(static_cast<int>(std::min<int64_t>(kPVRows, rows - r)),
+                                 s.probs.data() + r * stride / 2, stride / 2, v_pairs, num_pairs, head_dim,
+                                 s.acc.data() + r * head_dim, head_dim);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = seg.token_start + first + r / group;
+    const int64_t head = kv_head * group + r % group;
+    const float inv = 1.f / s.row_sum[r];
+    at::BFloat16* dst = reinterpret_cast<at::BFloat16*>(out + token * shape.out_stride + head * head_dim);
+    const float* acc = s.acc.data() + r * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<at::BFloat16>(acc[d] * inv);
+  }
+}
+
+}  // namespace
+
+// q: [tokens, num_heads, head_dim] bf16 (token stride free: a view of the fused qkv works); out: [tokens,
+// num_heads * head_dim] bf16, written only at the segments' rows. caches: [num_blocks, block_size,
+// num_kv_heads, head_dim] bf16, already holding the new tokens' K/V. Segment s covers query rows
+// [query_starts[s], query_starts[s + 1]) at context positions num_past[s].. ; block_tables: [segments,
+// max_blocks] int64. sliding_window <= 0 means none.
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                             torch::Tensor query_starts, torch::Tensor num_past, double scale, int64_t sliding_window,
+                             torch::Tensor out) {
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
+              v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "paged_prefill_attention takes bf16 query, cache and output");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "cache and out contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kLong, "block_tables: int64");
+  TORCH_CHECK(query_starts.scalar_type() == torch::kLong && num_past.scalar_type() == torch::kLong,
+              "query_starts, num_past: int64");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(head_dim % 64 == 0, "head_dim must be a multiple of 64");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const Shape shape{num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0),
+                    sliding_window, static_cast<float>(scale)};
+  const int64_t num_segments = num_past.size(0), max_blocks = block_tables.size(1);
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  const int64_t* past = num_past.data_ptr<int64_t>();
+
+  std::vector<Segment> segments(num_segments);
+  int64_t packed_size = 0;  // per KV head
+  for (int64_t s = 0; s < num_segments; ++s) {
+    Segment& seg = segments[s];
+    seg.token_start = starts[s];
+    seg.num_queries = starts[s + 1] - starts[s];
+    seg.num_past = past[s];
+    // A window hides keys older than the first query's window: they are never packed.
+    seg.key_begin = sliding_window > 0 ? std::max<int64_t>(0, seg.num_past - sliding_window + 1) : 0;
+    seg.num_keys = seg.num_past + seg.num_queries - seg.key_begin;
+    TORCH_CHECK((seg.num_past + seg.num_queries + block_size - 1) / block_size <= max_blocks, "block table too short");
+    seg.table = block_tables.data_ptr<int64_t>() + s * max_blocks;
+    seg.packed_offset = packed_size;
+    packed_size += (seg.num_keys + kChunk - 1) / kChunk * kChunk * head_dim;  // chunk-padded: reads stay inside
+  }
+  auto k_packed = torch::zeros({num_kv_heads, packed_size}, k_cache.options());
+  auto v_packed = torch::zeros({num_kv_heads, packed_size}, v_cache.options());
+  const uint16_t* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  uint16_t* kp = reinterpret_cast<uint16_t*>(k_packed.data_ptr<at::BFloat16>());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(v_packed.data_ptr<at::BFloat16>());
+  const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int threads = at::get_num_threads();
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t task = 0; task < num_segments * num_kv_heads; ++task) {
+    const Segment& seg = segments[task / num_kv_heads];
+    const int64_t h = task % num_kv_heads;
+    pack_head(seg, k_ptr, v_ptr, block_size, num_kv_heads, h, head_dim, kp + h * packed_size + seg.packed_offset,
+              vp + h * packed_size + seg.packed_offset);
+  }
+
+  struct Task { int64_t segment, kv_head, first, count; };
+  std::vector<Task> tasks;
+  const int64_t positions_per_task = std::max<int64_t>(1, kRowsTarget / shape.group);
+  for (int64_t s = 0; s < num_segments; ++s)
+    for (int64_t first = 0; first < segments[s].num_queries; first += positions_per_task)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        tasks.push_back({s, h, first, std::min(positions_per_task, segments[s].num_queries - first)});
+  // Costliest first (the most keys), so the dynamic schedule ends with short tasks.
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+    return segments[a.segment].num_past + a.first > segments[b.segment].num_past + b.first;
+  });
+
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const Task& t = tasks[i];
+      const Segment& seg = segments[t.segment];
+      attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, kp + t.kv_head * packed_size + seg.packed_offset,
+                   vp + t.kv_head * packed_size + seg.packed_offset, out_ptr, scratch);
+    }
+  }
+}
+
+bool has_prefill_attention() { return true; }
+
+#else
+
+void paged_prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                             double, int64_t, torch::Tensor) {
+  TORCH_CHECK(false, "paged_prefill_attention needs a CPU with AVX512-BF16");
+}
+
+bool has_prefill_attention() { return false; }
+
+#endif

@@ -1,0 +1,55 @@
+"""bf16 on the demo model: the compiled CPU attention kernels are as close to fp32 as the portable torch path.
+
+bf16 cannot be token-identical to fp32 (8 mantissa bits), so the check is the one a user cares about: the
+distribution of the first generated token, after a prefill that the kernels computed, errs from fp32's no more
+than the portable path's does. Chunked prefill and prefix caching make segments continue a cached past.
+"""
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ModelLoadError
+from kvserve.model.cpu_kernels import cpu_kernels
+from kvserve.model.demo import demo_model_path
+
+try:
+    demo_model_path()
+except ModelLoadError as exc:
+    pytest.skip(f"demo model not installed: {exc}", allow_module_level=True)
+
+LONG = "A paged KV cache stores keys and values in fixed-size blocks. " * 30
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
+    "The three primary colors are", "Water boils at a temperature of", "List of planets: Mercury, Venus,",
+    "import numpy as np\nx = np.arange(10)\n", LONG + "Summarize: ", LONG + "In one word, the topic is",
+]
+
+
+def first_token_logprobs(dtype: str, use_kernels: bool) -> list[dict[int, float]]:
+    # 128-token chunks and prefix caching: the long prompts are prefilled in chunks over a cached past.
+    llm = LLM(None, dtype=dtype, kv_cache_memory=0.25, max_model_len=1024, max_num_batched_tokens=128,
+              enable_prefix_caching=True)
+    runner = llm.engine.runner
+    runner.use_prefill_kernel &= use_kernels
+    runner.use_cpu_kernel &= use_kernels
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1, logprobs=20), use_tqdm=False)
+    return [dict(o.outputs[0].logprobs[0].top) for o in outputs]
+
+
+def mean_error(got: list[dict[int, float]], reference: list[dict[int, float]]) -> float:
+    """Mean over prompts of the largest logprob error among fp32's top-5 tokens (one missing from the top-20
+    counts as if it had the 20th logprob)."""
+    errors = [max(abs(g.get(t, min(g.values())) - r[t]) for t in list(r)[:5]) for g, r in zip(got, reference)]
+    return sum(errors) / len(errors)
+
+
+@pytest.mark.slow
+def test_bf16_kernels_are_as_close_to_fp32_as_the_portable_path():
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.has_prefill_attention():
+        pytest.skip("the bf16 prefill kernel needs a compiler and a CPU with AVX512-BF16")
+    reference = first_token_logprobs("float32", use_kernels=False)
+    with_kernels = first_token_logprobs("bfloat16", use_kernels=True)
+    portable = first_token_logprobs("bfloat16", use_kernels=False)
+    kernel_error, portable_error = mean_error(with_kernels, reference), mean_error(portable, reference)
+    assert kernel_error < 1.5 * portable_error + 0.02, (kernel_error, portable_error)
