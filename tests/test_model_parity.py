@@ -65,3 +65,20 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
     bf16 = kvserve_logits(load_model(str(folder), dtype="bfloat16"), ids)
     relative = (fp32 - bf16).abs().max().item() / fp32.abs().max().item()
     assert relative < 0.15, relative  # bf16 keeps 8 mantissa bits; this model is deliberately sharp
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied head; tied head with q/k/v biases
+def test_packed_cpu_weights_give_identical_logits(kind, tiny_model_dir):
+    """bf16 matmul weights packed for oneDNN compute exactly what the plain weights compute."""
+    from kvserve.model.layers import weight_packing_available
+
+    if not weight_packing_available():
+        pytest.skip("this torch build cannot pack bf16 weights for oneDNN")
+    folder, _ = tiny_model_dir(kind)
+    loaded = load_model(str(folder), dtype="bfloat16")
+    token_ids = list(range(3, 80))
+    plain = kvserve_logits(loaded, token_ids)
+    assert loaded.model.pack_weights_for_cpu()
+    assert loaded.model.layers[0].self_attn.qkv_proj.is_mkldnn and loaded.model.lm_head.is_mkldnn
+    assert torch.equal(kvserve_logits(loaded, token_ids), plain)
+    assert loaded.model.embed_tokens.dtype == torch.bfloat16 and not loaded.model.embed_tokens.is_mkldnn

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention import Attention, AttentionMetadata
-from kvserve.model.layers import GatedMLP, RMSNorm, empty_parameter
+from kvserve.model.layers import GatedMLP, RMSNorm, empty_parameter, linear, pack_weight, weight_packing_available
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -31,7 +31,7 @@ class SelfAttention(torch.nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
 
     def forward(self, x: torch.Tensor, step: "ForwardStep", kv_cache: object | None) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         num_tokens = x.shape[0]
         if step.kernels is not None:
             step.kernels.rotary_qk_(qkv, step.positions, step.rotary.cos_cache, step.rotary.sin_cache,
@@ -44,7 +44,7 @@ class SelfAttention(torch.nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, step.metadata)
-        return F.linear(out, self.o_proj)
+        return linear(out, self.o_proj)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -77,7 +77,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = torch.nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        # Tied checkpoints share the embedding matrix; the loader then never fills lm_head.
+        # Tied checkpoints share the embedding matrix; the loader then never fills lm_head (None: the head reads
+        # embed_tokens), until pack_weights_for_cpu gives the head its own packed copy.
         self.lm_head = None if config.tie_word_embeddings else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         # The C++ module for fused CPU ops, or None (portable torch). Set after loading: see use_fused_kernels.
@@ -87,6 +88,24 @@ class LlamaForCausalLM(torch.nn.Module):
         from kvserve.model.cpu_kernels import cpu_kernels
 
         self.fused_kernels = cpu_kernels() if enabled else None
+
+    def pack_weights_for_cpu(self) -> bool:
+        """Packs every matmul weight for oneDNN (bf16 on CPU; see layers.py). Returns whether it did.
+
+        A tied head gets a packed copy of the embedding (vocab x hidden more bytes): the embedding lookup needs
+        the plain matrix.
+        """
+        if self.dtype != torch.bfloat16 or self.embed_tokens.device.type != "cpu" or not weight_packing_available():
+            return False
+        for layer in self.layers:
+            pack_weight(layer.self_attn, "qkv_proj")
+            pack_weight(layer.self_attn, "o_proj")
+            pack_weight(layer.mlp, "gate_up_proj")
+            pack_weight(layer.mlp, "down_proj")
+        if self.lm_head is None:
+            self.lm_head = self.embed_tokens.detach()
+        pack_weight(self, "lm_head")
+        return True
 
     def forward(
         self,
@@ -108,7 +127,7 @@ class LlamaForCausalLM(torch.nn.Module):
             x = x.index_select(0, logits_indices)
         x = self.norm(x.contiguous(), step.kernels)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return linear(x, head).float()
 
 
 class ForwardStep:
