@@ -19,7 +19,10 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c
 
 @cache
 def cpu_kernels():
-    """The compiled module (paged decode attention and the fused ops), or None when it cannot be built."""
+    """The compiled module (paged decode and prefill attention, the fused ops), or None when it cannot be built.
+
+    The prefill kernel exists only where the compiler targets AVX512-BF16: check `has_prefill_attention()`.
+    """
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
