@@ -27,7 +27,8 @@ class ModelRunner:
         self.device = device
         self.sliding_window = model.config.sliding_window
         # bf16 on CPU: weights packed once for oneDNN, so no matmul reorders them again (same results, faster).
-        self.packed_weights = device.type == "cpu" and model.pack_weights_for_cpu()
+        if device.type == "cpu":
+            model.pack_weights_for_cpu()
         kernels = cpu_kernels() if device.type == "cpu" else None
         self.use_cpu_kernel = kernels is not None
         self.use_prefill_kernel = (
