@@ -17,12 +17,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#include <omp.h>
 
 namespace {
 
@@ -150,7 +148,7 @@ struct Scratch {
 };
 
 struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, group, q_stride, out_stride, sliding_window;
+  int64_t head_dim, group, q_stride, out_stride, sliding_window;  // strides in elements, per token
   float scale;
 };
 
@@ -259,8 +257,8 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(head_dim % 64 == 0, "head_dim must be a multiple of 64");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  const Shape shape{num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0),
-                    sliding_window, static_cast<float>(scale)};
+  const Shape shape{head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0), sliding_window,
+                    static_cast<float>(scale)};
   const int64_t num_segments = num_past.size(0), max_blocks = block_tables.size(1);
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const int64_t* past = num_past.data_ptr<int64_t>();
