@@ -92,20 +92,29 @@ class LlamaForCausalLM(torch.nn.Module):
     def pack_weights_for_cpu(self) -> bool:
         """Packs every matmul weight for oneDNN (bf16 on CPU; see layers.py). Returns whether it did.
 
-        A tied head gets a packed copy of the embedding (vocab x hidden more bytes): the embedding lookup needs
-        the plain matrix.
+        A tied head gets a packed copy of the embedding (vocab x hidden more bytes, counted by weight_bytes):
+        the embedding lookup needs the plain matrix.
         """
         if self.dtype != torch.bfloat16 or self.embed_tokens.device.type != "cpu" or not weight_packing_available():
             return False
-        for layer in self.layers:
-            pack_weight(layer.self_attn, "qkv_proj")
-            pack_weight(layer.self_attn, "o_proj")
-            pack_weight(layer.mlp, "gate_up_proj")
-            pack_weight(layer.mlp, "down_proj")
         if self.lm_head is None:
             self.lm_head = self.embed_tokens.detach()
-        pack_weight(self, "lm_head")
+        for module, name in self._matmul_weights():
+            pack_weight(module, name)
         return True
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight tensor held, packed ones (no longer parameters) included."""
+        tensors = list(self.parameters())
+        tensors += [w for w in (getattr(m, n) for m, n in self._matmul_weights()) if w is not None and w.is_mkldnn]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _matmul_weights(self):
+        """(module, attribute) of each matmul weight; the head's is None while it reads the tied embedding."""
+        for layer in self.layers:
+            yield from ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                        (layer.mlp, "down_proj"))
+        yield self, "lm_head"
 
     def forward(
         self,

@@ -39,8 +39,11 @@ class LoadedModel:
     path: Path
     name: str  # what the server calls it by default
     dtype: torch.dtype
-    weights_bytes: int
     hf_config: dict  # the config.json dict (translated from metadata for GGUF), for the planner
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.model.weight_bytes()
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -99,7 +102,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
         load_weights(net, source.tensors(torch_dtype), checkpoint=str(path), on_tensor=bar.update)
     net.eval()
     net.use_fused_kernels(device.type == "cpu")
-    weights_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    weights_bytes = net.weight_bytes()
     num_params = sum(p.numel() for p in net.parameters())
     name = DEMO_MODEL_NAME if model is None else str(model)
     logger.info(
@@ -108,7 +111,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
         weights_bytes / 2**20, time.perf_counter() - started,
     )
     return LoadedModel(
-        net, config, tokenizer, source.generation_config(), path, name, torch_dtype, weights_bytes, source.config
+        net, config, tokenizer, source.generation_config(), path, name, torch_dtype, source.config
     )
 
 
