@@ -1,7 +1,8 @@
 """Turns a scheduled batch into tensors (tokens, positions, slot mapping, attention metadata), runs the model.
 
-Decoding requests go first in the batch so their rows are contiguous; their padded context gather indices are
-built once here and shared by every layer.
+Decoding requests go first in the batch so their rows are contiguous, then the prefills. What attention needs
+(block tables, the portable path's gather indices, the prefill kernel's query starts and past lengths) is built
+once per step here and shared by every layer. It also decides, once, which CPU kernels the model runs.
 """
 
 from __future__ import annotations
