@@ -121,3 +121,32 @@ def test_prefill_kernel_matches_dense_attention(case):
     expected = dense_prefill(q, cache, tables, starts, pasts, spec, block_size, window)
     assert (out[num_decode_rows:].float() - expected).abs().max().item() < 3e-2
     assert (out[:num_decode_rows] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 600])
+def test_decode_kernel_splits_few_long_contexts_and_merges_them(dtype, window):
+    """One or two sequences with long contexts: too few (sequence, KV head) tasks for the threads, so each
+    context is cut into parts whose partial softmax sums are merged. The result is the same attention."""
+    kernel = cpu_kernels()
+    if kernel is None:
+        pytest.skip("the CPU kernel could not be built here")
+    generator = torch.Generator().manual_seed(1)
+    block_size, num_blocks, heads, kv_heads, head_dim = 16, 200, 8, 1, 64
+    cache = LayerKVCache(
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
+    )
+    lens = torch.tensor([1500, 900])
+    tables = torch.randperm(num_blocks, generator=generator)[:2 * 94].view(2, 94)
+    q = torch.randn(2, heads, head_dim, generator=generator).to(dtype)
+    spec = Spec(heads, kv_heads, head_dim)
+    expected = reference(q, cache, tables, lens, spec, block_size, window)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # 2 tasks for 4 threads: up to 4 parts each
+        got = kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0)
+    finally:
+        torch.set_num_threads(threads)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (got.view(2, -1).float() - expected).abs().max().item() < tolerance

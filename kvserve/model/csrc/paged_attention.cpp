@@ -2,10 +2,12 @@
 //
 // One query token per sequence. Each (sequence, KV head) pair is one task: its query heads (the GQA group)
 // walk the sequence's blocks through the block table, so K and V are read exactly once, in place; nothing is
-// gathered or padded. Scores and softmax are fp32; the output is written in the query's dtype.
+// gathered or padded. With fewer pairs than threads, contexts are split into parts whose partial results are
+// merged (flash decoding). Scores and softmax are fp32; the output is written in the query's dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -15,6 +17,8 @@
 #endif
 
 namespace {
+
+constexpr int64_t kMinPartTokens = 256;  // the shortest stretch of context one decode task takes on
 
 // Rows are widened to fp32 in a separate loop the compiler can vectorise (bf16 -> fp32 is a 16-bit shift).
 template <typename scalar_t>
@@ -168,7 +172,9 @@ void values_generic(const scalar_t* v_cache, const float* probs, int64_t group, 
   });
 }
 
-void softmax_rows(float* scores, int64_t group, int64_t num_tokens) {
+// scores <- e^(score - row max), in place; the row's max and sum are kept so partial results over parts of a
+// context can be merged (normalising is the merge's job).
+void exp_rows(float* scores, int64_t group, int64_t num_tokens, float* row_max, float* row_sum) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * num_tokens;
     float max_score = s[0];  // not -inf: the kernel is built with -ffast-math, which assumes finite values
@@ -178,28 +184,28 @@ void softmax_rows(float* scores, int64_t group, int64_t num_tokens) {
       s[t] = std::exp(s[t] - max_score);
       total += s[t];
     }
-    const float inv = 1.f / total;
-    for (int64_t t = 0; t < num_tokens; ++t) s[t] *= inv;
+    row_max[g] = max_score;
+    row_sum[g] = total;
   }
 }
 
-template <typename scalar_t>
-void write_out(const std::vector<float>& acc, scalar_t* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(acc[i]);
-}
-
+// One KV head's GQA group over context tokens [first_token, end_token): writes the partial result
+// [group x head_dim unnormalised sums | group row maxima | group row sums] (see merge_partials).
 // kHeadDim > 0 fixes the head size at compile time so the inner loops unroll into whole SIMD registers;
 // 0 takes it from `runtime_head_dim`.
 template <typename scalar_t, int kHeadDim>
 void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
-                 int64_t context_len, int64_t first_token, int64_t block_size, int64_t num_kv_heads,
-                 int64_t kv_head, int64_t group, int64_t runtime_head_dim, float scale, scalar_t* out,
-                 std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
-                 std::vector<float>& row, std::vector<int64_t>& offsets) {
+                 int64_t end_token, int64_t first_token, int64_t block_size, int64_t num_kv_heads,
+                 int64_t kv_head, int64_t group, int64_t runtime_head_dim, float scale, float* partial,
+                 std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& row,
+                 std::vector<int64_t>& offsets) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
-  const int64_t num_tokens = context_len - first_token;
+  const int64_t num_tokens = end_token - first_token;
+  float* acc = partial;
+  float* row_max = partial + group * head_dim;
+  float* row_sum = row_max + group;
   scores.assign(group * num_tokens, 0.f);
-  acc.assign(group * head_dim, 0.f);
+  std::fill(acc, acc + group * head_dim, 0.f);
   qf.resize(group * head_dim);
   row.resize(head_dim);
   to_float(q, qf.data(), group * head_dim);
@@ -207,12 +213,12 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   const int64_t token_stride = num_kv_heads * head_dim;
   // Walk the context block by block: one table lookup per block, no division per token.
   const int64_t first_block = first_token / block_size;
-  const int64_t last_block = (context_len - 1) / block_size;
+  const int64_t last_block = (end_token - 1) / block_size;
   auto for_each_token = [&](auto&& visit) {
     for (int64_t b = first_block; b <= last_block; ++b) {
       const int64_t block_start = b * block_size;
       const int64_t begin = std::max(first_token, block_start);
-      const int64_t end = std::min(context_len, block_start + block_size);
+      const int64_t end = std::min(end_token, block_start + block_size);
       const int64_t base = (table[b] * block_size - block_start) * token_stride + kv_head * head_dim;
       for (int64_t pos = begin; pos < end; ++pos) visit(pos - first_token, base + pos * token_stride);
     }
@@ -230,28 +236,51 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
         offsets.clear();
         for_each_token([&](int64_t, int64_t offset) { offsets.push_back(offset); });
         scores_bf16<kHeadDim>(q, k_cache, offsets, group, scale, scores.data());
-        softmax_rows(scores.data(), group, num_tokens);
+        exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
         auto for_each_prefetched = [&](auto&& visit) {
           for (int64_t t = 0; t < num_tokens; ++t) {
             if (t + kPrefetchDistance < num_tokens) prefetch_row(v_cache + offsets[t + kPrefetchDistance], kHeadDim);
             visit(t, offsets[t]);
           }
         };
-        values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc.data(), for_each_prefetched);
-        return write_out(acc, out, group * head_dim);
+        return values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc, for_each_prefetched);
       }
 #endif
       scores_avx512<scalar_t, kHeadDim>(qf.data(), k_cache, group, num_tokens, scores.data(), for_each_token);
-      softmax_rows(scores.data(), group, num_tokens);
-      values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc.data(), for_each_token);
+      exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
+      values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc, for_each_token);
     }
 #endif
   } else {
     scores_generic(qf.data(), k_cache, group, head_dim, num_tokens, scores.data(), row.data(), for_each_token);
-    softmax_rows(scores.data(), group, num_tokens);
-    values_generic(v_cache, scores.data(), group, head_dim, num_tokens, acc.data(), row.data(), for_each_token);
+    exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
+    values_generic(v_cache, scores.data(), group, head_dim, num_tokens, acc, row.data(), for_each_token);
   }
-  write_out(acc, out, group * head_dim);
+}
+
+// Softmax-weighted sums over a whole context from its parts' partial results (flash-decoding's reduction):
+// each part's sums and row sum are rescaled by e^(part max - overall max).
+template <typename scalar_t>
+void merge_partials(const float* partials, int64_t num_parts, int64_t group, int64_t head_dim, scalar_t* out) {
+  const int64_t stride = group * (head_dim + 2);
+  for (int64_t g = 0; g < group; ++g) {
+    float overall_max = partials[group * head_dim + g];
+    for (int64_t i = 1; i < num_parts; ++i) overall_max = std::max(overall_max, partials[i * stride + group * head_dim + g]);
+    float total = 0.f;
+    float* weighted = const_cast<float*>(partials) + g * head_dim;  // part 0's sums become the result
+    for (int64_t i = 0; i < num_parts; ++i) {
+      const float* part = partials + i * stride;
+      const float weight = std::exp(part[group * head_dim + g] - overall_max);
+      total += part[group * head_dim + group + g] * weight;
+      if (i == 0) {
+        for (int64_t d = 0; d < head_dim; ++d) weighted[d] *= weight;
+      } else {
+        for (int64_t d = 0; d < head_dim; ++d) weighted[d] += part[g * head_dim + d] * weight;
+      }
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<scalar_t>(weighted[d] * inv);
+  }
 }
 
 }  // namespace
@@ -275,25 +304,45 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  // Tasks are (sequence, KV head) pairs. With fewer pairs than threads to keep busy (a long single-user session),
+  // each context is split into parts of at least kMinPartTokens, merged afterwards as flash decoding does.
+  const int64_t num_pairs = num_seqs * num_kv_heads, threads = at::get_num_threads();
+  const int64_t wanted_parts = num_pairs >= 2 * threads ? 1 : (2 * threads + num_pairs - 1) / num_pairs;
+  struct Part { int64_t seq, kv_head, first, end; };
+  std::vector<Part> parts;
+  std::vector<int64_t> pair_start(num_pairs + 1, 0);
+  for (int64_t pair = 0; pair < num_pairs; ++pair) {
+    const int64_t seq = pair / num_kv_heads, context_len = lens[seq];
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
+    const int64_t count = std::clamp<int64_t>((context_len - first) / kMinPartTokens, 1, wanted_parts);
+    for (int64_t i = 0; i < count; ++i)
+      parts.push_back({seq, pair % num_kv_heads, first + (context_len - first) * i / count,
+                       first + (context_len - first) * (i + 1) / count});
+    pair_start[pair + 1] = static_cast<int64_t>(parts.size());
+  }
+  const int64_t partial_size = group * (head_dim + 2);
+  std::vector<float> partials(parts.size() * partial_size);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q_ptr = q.data_ptr<scalar_t>();
     const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
     const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc, qf, row;
+    auto task_fn = head_dim == 64 ? decode_task<scalar_t, 64>
+                   : head_dim == 128 ? decode_task<scalar_t, 128> : decode_task<scalar_t, 0>;
+    at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, qf, row;
       std::vector<int64_t> offsets;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-        const int64_t context_len = lens[seq];
-        const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
-        const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
-        auto task_fn = head_dim == 64 ? decode_task<scalar_t, 64>
-                       : head_dim == 128 ? decode_task<scalar_t, 128> : decode_task<scalar_t, 0>;
-        task_fn(q_ptr + offset, k_ptr, v_ptr, tables + seq * max_blocks, context_len, first, block_size,
-                num_kv_heads, kv_head, group, head_dim, static_cast<float>(scale), out_ptr + offset, scores, acc,
-                qf, row, offsets);
+      for (int64_t i = begin; i < end; ++i) {
+        const Part& part = parts[i];
+        task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_ptr, v_ptr,
+                tables + part.seq * max_blocks, part.end, part.first, block_size, num_kv_heads, part.kv_head, group,
+                head_dim, static_cast<float>(scale), partials.data() + i * partial_size, scores, qf, row, offsets);
       }
+    });
+    at::parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t pair = begin; pair < end; ++pair)
+        merge_partials(partials.data() + pair_start[pair] * partial_size, pair_start[pair + 1] - pair_start[pair],
+                       group, head_dim, out_ptr + pair * group * head_dim);
     });
   });
   return out;
