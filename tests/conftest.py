@@ -20,3 +20,14 @@ def tiny_model_dir(tmp_path_factory):
         return built[kind]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    """A real kvserve server on 127.0.0.1 serving the tiny llama, one per test module (a module may override)."""
+    from server_harness import start_server
+
+    folder, _ = tiny_model_dir("llama")
+    running = start_server(folder)
+    yield running
+    running.stop()

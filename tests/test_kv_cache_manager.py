@@ -3,25 +3,13 @@ atomic allocation, shared-prefix memory, reset."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
+
+from cache_requests import Req
 
 from kvserve.cache import KVCacheManager
 
 BLOCK_SIZE = 16
-
-
-@dataclass(slots=True)
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    cache_salt: str | None = None
-    num_prompt_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.all_token_ids)
 
 
 def admit(manager: KVCacheManager, request: Req, num_new_tokens: int | None = None) -> int:

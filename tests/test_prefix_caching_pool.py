@@ -9,26 +9,16 @@ checked after every step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from cache_requests import Req
 
 from kvserve.cache import KVCacheManager
 
 SHARED_PREFIXES = ([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [1] * 18, [2, 2, 0, 0] * 5)
 SALTS = (None, None, None, "tenant-b")
-
-
-@dataclass(slots=True)
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    cache_salt: str | None = None
-    num_prompt_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_computed_tokens: int = 0  # the scheduler's view, not the manager's
 
 
 prompts = st.builds(

@@ -6,17 +6,9 @@ import json
 
 import httpx
 import pytest
-from server_harness import ALIAS, MAX_MODEL_LEN, MODEL_NAME, start_server
+from server_harness import ALIAS, MAX_MODEL_LEN, MODEL_NAME
 
 from kvserve import __version__
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    folder, _ = tiny_model_dir("llama")
-    running = start_server(folder)
-    yield running
-    running.stop()
 
 
 @pytest.fixture(scope="module")

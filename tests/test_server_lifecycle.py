@@ -15,14 +15,6 @@ from kvserve.server.settings import ServerSettings
 LONG = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8, 9], "max_tokens": 240, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    folder, _ = tiny_model_dir("llama")
-    running = start_server(folder)
-    yield running
-    running.stop()
-
-
 @pytest.fixture
 def slow_steps(server, monkeypatch):
     monkeypatch.setattr(server.engine.engine, "step", slowed(server.engine.engine.step))

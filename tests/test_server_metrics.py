@@ -3,18 +3,10 @@ sent and what usage reported."""
 
 import httpx
 import pytest
-from server_harness import MODEL_NAME, start_server
+from server_harness import MODEL_NAME
 
 PROMPT_LENGTHS = [20, 40, 7]
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    folder, _ = tiny_model_dir("llama")
-    running = start_server(folder)
-    yield running
-    running.stop()
 
 
 def ids(seed: int, length: int) -> list[int]:

@@ -110,15 +110,14 @@ class ModelRunner:
         if not self.use_prefill_kernel:
             segments = [self._prefill_segment(item, starts[i], starts[i + 1]) for i, item in enumerate(prefills)]
             return PrefillGroup(segments, kernel_inputs=None)
-        context_lens = [item.request.num_computed_tokens + item.num_new_tokens for item in prefills]
-        segments = [PrefillSegment(starts[i], starts[i + 1], item.request.num_computed_tokens, None)
-                    for i, item in enumerate(prefills)]
+        num_past = [item.request.num_computed_tokens for item in prefills]
+        context_lens = [past + item.num_new_tokens for past, item in zip(num_past, prefills)]
         kernel_inputs = (
             self._block_tables(prefills, context_lens),
             torch.tensor(starts, dtype=torch.long),
-            torch.tensor([item.request.num_computed_tokens for item in prefills], dtype=torch.long),
+            torch.tensor(num_past, dtype=torch.long),
         )
-        return PrefillGroup(segments, kernel_inputs)
+        return PrefillGroup(segments=[], kernel_inputs=kernel_inputs)
 
     def _prefill_segment(self, item: ScheduledRequest, token_start: int, token_end: int) -> PrefillSegment:
         num_past = item.request.num_computed_tokens

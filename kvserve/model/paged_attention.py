@@ -35,11 +35,11 @@ class PrefillSegment:
 class PrefillGroup:
     """The step's prefilling sequences, which occupy batch rows [num_decodes, num_tokens).
 
-    The kernel reads each segment's whole context through its block table; the portable path uses the
-    segments' own rows and gathered context slots.
+    Either the kernel's inputs (it reads each sequence's whole context through its block table) or, for the
+    portable path, one segment per sequence with its rows and gathered context slots.
     """
 
-    segments: list[PrefillSegment]
+    segments: list[PrefillSegment]  # empty when the kernel runs
     kernel_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # block tables, query starts, num past
 
 

@@ -159,6 +159,19 @@ async def abort_on_disconnect(request: Request, job: EngineJob) -> AsyncIterator
         job.close()
 
 
+async def finished_outputs(request: Request, ctx: ServerContext, job: EngineJob) -> list[RequestOutput] | None:
+    """What every non-streaming route shares: each prompt's finished output, its metrics recorded; None when the
+    client disconnected first (the job is then aborted)."""
+    try:
+        async with abort_on_disconnect(request, job):
+            finals = await final_outputs(ctx, job)
+    except ClientGone:
+        return None
+    for index, final in enumerate(finals):
+        observe_finished(ctx, job, index, final)
+    return finals
+
+
 def observe_finished(ctx: ServerContext, job: EngineJob, index: int, output: RequestOutput) -> None:
     if output.finished and not any(o.finish_reason == "abort" for o in output.outputs):
         ctx.request_metrics.observe_finished(job.streams[index], output, job.params[index].max_tokens or 0)

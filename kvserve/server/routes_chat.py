@@ -13,7 +13,7 @@ from kvserve.server.body import parse_body
 from kvserve.server.context import ServerContext, get_context
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import (
-    CLIENT_CLOSED_REQUEST, ClientGone, EngineJob, abort_on_disconnect, final_outputs, merged_outputs, observe_finished,
+    CLIENT_CLOSED_REQUEST, EngineJob, finished_outputs, merged_outputs, observe_finished,
     guarded_events, submit, usage_options,
 )
 from kvserve.server.logprobs import chat_logprobs
@@ -41,13 +41,10 @@ async def create_chat_completion(request: Request) -> Response:
     response_id, created = new_response_id("chatcmpl"), now_unix()
     if body.stream:
         return SSEResponse(_events(request, ctx, job, body, response_id, created, model), on_close=job.close)
-    try:
-        async with abort_on_disconnect(request, job):
-            finals = await final_outputs(ctx, job)
-    except ClientGone:
+    finals = await finished_outputs(request, ctx, job)
+    if finals is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     final = finals[0]
-    observe_finished(ctx, job, 0, final)
     choices = [
         chat_choice(choice.index, choice.text, _logprobs(ctx, body, choice.logprobs), choice.finish_reason,
                     choice.stop_reason)

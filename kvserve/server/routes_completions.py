@@ -14,7 +14,7 @@ from kvserve.server.body import parse_body
 from kvserve.server.context import ServerContext, get_context
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import (
-    CLIENT_CLOSED_REQUEST, ClientGone, EngineJob, abort_on_disconnect, final_outputs, merged_outputs, observe_finished,
+    CLIENT_CLOSED_REQUEST, EngineJob, finished_outputs, merged_outputs, observe_finished,
     guarded_events, submit, usage_options,
 )
 from kvserve.server.logprobs import completion_logprobs
@@ -44,13 +44,9 @@ async def create_completion(request: Request) -> Response:
     response_id, created = new_response_id("cmpl"), now_unix()
     if body.stream:
         return SSEResponse(_events(request, ctx, job, body, response_id, created, model), on_close=job.close)
-    try:
-        async with abort_on_disconnect(request, job):
-            finals = await final_outputs(ctx, job)
-    except ClientGone:
+    finals = await finished_outputs(request, ctx, job)
+    if finals is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    for prompt_index, final in enumerate(finals):
-        observe_finished(ctx, job, prompt_index, final)
     choices = _final_choices(ctx, body, job, finals)
     usage = final_usage(finals, body.n).as_dict()
     return json_response(completion_body(response_id, created, model, choices, usage))
