@@ -86,7 +86,7 @@ def decode_case(layers: int, kernels, generator) -> None:
     num_blocks = num_seqs * -(-context // BLOCK) + 1
     caches = paged_layers(layers, num_blocks, generator)
     group = DecodeGroup(block_tables([context] * num_seqs, num_blocks, generator),
-                        torch.full((num_seqs,), context), BLOCK, None, use_kernel=False)
+                        torch.full((num_seqs,), context), context, BLOCK, None, use_kernel=False)
     q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=generator).bfloat16()
     attn = Attention(HEADS, KV_HEADS, HEAD_DIM, None)
     layer = iter(range(10**9))

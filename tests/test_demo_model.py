@@ -68,7 +68,7 @@ def test_logits_of_64_token_prompt_match_transformers(kv_model, hf_tokenizer):
 def test_demo_generates_sensible_text():
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(None, kv_cache_memory=0.25, max_model_len=1024)
+    llm = LLM(None, device="cpu", kv_cache_memory=0.25, max_model_len=1024)
     out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text
     kv = llm.engine.kv_cache

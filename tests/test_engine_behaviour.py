@@ -12,7 +12,7 @@ from kvserve.engine.llm_engine import RequestRejected
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
-    return LLM(str(folder), dtype="float32", max_model_len=256, num_gpu_blocks_override=256)
+    return LLM(str(folder), dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=256)
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -147,5 +147,5 @@ def test_random_add_abort_step_keeps_pool_invariants(tiny_model_dir, actions):
 
 def _small_pool_llm(folder):
     # A fresh engine per example: a failing example must not leave state behind for the next one.
-    return LLM(str(folder), dtype="float32", max_model_len=128, num_gpu_blocks_override=12,
+    return LLM(str(folder), dtype="float32", device="cpu", max_model_len=128, num_gpu_blocks_override=12,
                max_num_batched_tokens=48, max_num_seqs=4)

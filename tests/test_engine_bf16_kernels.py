@@ -27,7 +27,7 @@ PROMPTS = [
 
 def first_token_logprobs(dtype: str, use_kernels: bool) -> list[dict[int, float]]:
     # 128-token chunks and prefix caching: the long prompts are prefilled in chunks over a cached past.
-    llm = LLM(None, dtype=dtype, kv_cache_memory=0.25, max_model_len=1024, max_num_batched_tokens=128,
+    llm = LLM(None, dtype=dtype, device="cpu", kv_cache_memory=0.25, max_model_len=1024, max_num_batched_tokens=128,
               enable_prefix_caching=True)
     runner = llm.engine.runner
     runner.use_prefill_kernel &= use_kernels

@@ -48,7 +48,7 @@ def references(tiny_model_dir):
 
 
 def run_engine(folder, **engine_args) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(folder), dtype="float32", max_model_len=512, **engine_args)
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=512, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(make_prompts(), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm
@@ -78,4 +78,19 @@ def test_greedy_matches_transformers(kind, config, references):
         assert g == e, f"{kind}/{config}: prompt {index} ({PROMPT_LENGTHS[index]} tokens) diverged"
     if config == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0, "the small pool should have forced preemptions"
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_portable_attention_path_matches_transformers(kind, references):
+    """The torch path CUDA runs, here on CPU: decodes gathered in chunks of sequences under a small gather bound."""
+    folder, expected = references(kind)
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=512,
+              max_num_batched_tokens=100)
+    runner = llm.engine.runner
+    runner.use_cpu_kernel = runner.use_prefill_kernel = False
+    runner.max_gather_tokens = 400  # one or two sequences per gather, by context length
+    outputs = llm.generate(make_prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_all_blocks_free(llm)

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from kvserve import LLM
 from kvserve.cli import main as kvserve_main
@@ -18,7 +19,7 @@ GIB = 2**30
 def test_planner_block_count_equals_engine_num_blocks(kind, tiny_model_dir):
     folder, _ = tiny_model_dir(kind)
     budget_gib = 0.01
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory=budget_gib)
+    llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=budget_gib)
     spec = load_spec(str(folder))  # the planner's own reading of the folder
     predicted = num_blocks_for_pool(int(budget_gib * GIB), kv_block_bytes(spec, 16, "auto", "float32"))
     assert llm.engine.kv_cache.num_blocks == predicted
@@ -29,7 +30,7 @@ def test_plan_json_kv_bytes_match_engine_block_bytes(tiny_model_dir, capsys):
     folder, _ = tiny_model_dir("llama")
     assert kvserve_main(["plan", "--model", str(folder), "--gpu-memory", "1", "--dtype", "float32", "--json"]) in (0, None)
     plan = json.loads(capsys.readouterr().out)
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory=0.01)
+    llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=0.01)
     text = json.dumps(plan)
     assert str(llm.engine.pool.block_bytes // 16) in text  # KV bytes per token, as the plan states it
 
@@ -37,5 +38,20 @@ def test_plan_json_kv_bytes_match_engine_block_bytes(tiny_model_dir, capsys):
 def test_engine_refuses_to_start_when_max_model_len_does_not_fit(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     with pytest.raises(PoolTooSmall) as info:
-        LLM(str(folder), dtype="float32", num_gpu_blocks_override=8, max_model_len=1000)
+        LLM(str(folder), dtype="float32", device="cpu", num_gpu_blocks_override=8, max_model_len=1000)
     assert f"largest max-model-len that fits is {max_model_len_for_blocks(8, 16)}" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_cuda_profiling_forwards_run_through_the_portable_path(kind, tiny_model_dir):
+    """The forwards CUDA pool sizing measures (a full-budget prefill over the longest past, a decode gathering
+    its largest chunk) are valid steps of the portable path; here they run on CPU, where memory is not measured."""
+    from kvserve.config import EngineConfig
+    from kvserve.engine.memory_profile import run_profile_forwards
+    from kvserve.model.loader import load_model
+
+    folder, _ = tiny_model_dir(kind)
+    config = EngineConfig.from_kwargs(model=str(folder), dtype="float32", device="cpu", max_model_len=300,
+                                      max_num_batched_tokens=64, max_num_seqs=4)
+    loaded = load_model(str(folder), "float32", "cpu")
+    run_profile_forwards(config, loaded, torch.device("cpu"))

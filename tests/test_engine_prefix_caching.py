@@ -10,7 +10,8 @@ def tokens(seed: int, length: int) -> list[int]:
 
 
 def make_llm(folder, blocks: int = 400, max_model_len: int = 1024, **kwargs) -> LLM:
-    return LLM(str(folder), dtype="float32", max_model_len=max_model_len, num_gpu_blocks_override=blocks, **kwargs)
+    return LLM(str(folder), dtype="float32", device="cpu", max_model_len=max_model_len, num_gpu_blocks_override=blocks,
+               **kwargs)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -46,9 +46,13 @@ def test_kernel_and_portable_path_match_dense_attention(dtype, heads, kv_heads, 
     spec = Spec(heads, kv_heads, head_dim)
     expected = reference(q, cache, tables, lens, spec, block_size, window)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    group = DecodeGroup(tables, lens, block_size, window, use_kernel=False)
+    group = DecodeGroup(tables, lens, int(lens.max()), block_size, window, use_kernel=False)
     portable = _decode_portable(spec, q.view(num_seqs, -1), cache, group).float()
     assert (portable - expected).abs().max().item() < tolerance
+    # A gather bound of 250 tokens takes two sequences of the 100-token context at a time (three chunks).
+    bounded = DecodeGroup(tables, lens, int(lens.max()), block_size, window, use_kernel=False, max_gather_tokens=250)
+    assert bounded.rows_per_gather == 2
+    assert torch.equal(_decode_portable(spec, q.view(num_seqs, -1), cache, bounded).float(), portable)
     kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("the CPU kernel could not be built here")

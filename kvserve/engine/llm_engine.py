@@ -17,6 +17,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_storage import allocate_kv_storage
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.memory_profile import decode_gather_tokens
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.pool_sizing import PoolPlan, plan_kv_pool
@@ -77,12 +78,12 @@ def pick_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
         self.device = pick_device(config.device)
         torch.manual_seed(config.seed)
-        self.loaded = loaded or load_model(config.model, config.dtype, self.device)
+        self.loaded: LoadedModel = load_model(config.model, config.dtype, self.device)
         self.tokenizer = self.loaded.tokenizer
         self.pool: PoolPlan = plan_kv_pool(config, self.loaded, self.device)
         self.max_model_len = self.pool.max_model_len
@@ -95,7 +96,8 @@ class LLMEngine:
             model_cfg.num_hidden_layers, self.pool.num_blocks, cache_cfg.block_size, model_cfg.num_key_value_heads,
             model_cfg.head_dim, self.pool.kv_dtype, self.device,
         )
-        self.runner = ModelRunner(self.loaded.model, storage, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.loaded.model, storage, self.kv_cache, self.device,
+                                  max_gather_tokens=decode_gather_tokens(config.scheduler))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
         self.child_parent: dict[str, str] = {}

@@ -20,12 +20,13 @@ from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, P
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache], kv_cache: KVCacheManager,
-                 device: torch.device) -> None:
+                 device: torch.device, max_gather_tokens: int | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
+        self.max_gather_tokens = max_gather_tokens  # the portable decode path's bound (see DecodeGroup)
         self.sliding_window = model.config.sliding_window
         # bf16 on CPU: weights packed once for oneDNN, so no matmul reorders them again (same results, faster).
         if device.type == "cpu":
@@ -95,9 +96,11 @@ class ModelRunner:
         return DecodeGroup(
             block_tables=self._block_tables(decodes, context_lens),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
+            max_context_len=max(context_lens),
             block_size=self.block_size,
             sliding_window=self.sliding_window,
             use_kernel=self.use_cpu_kernel,
+            max_gather_tokens=self.max_gather_tokens,
         )
 
     def _block_tables(self, items: list[ScheduledRequest], context_lens: list[int]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Sizes the KV block pool with the planner's arithmetic, so `kvserve plan` and the start-up log agree.
 
-CPU: the pool is `--kv-cache-memory` GiB. CUDA: `--gpu-memory-utilization` of the card minus the weights and
-the activation peak measured by a profiling forward. `--num-gpu-blocks-override` wins over both (tests).
+CPU: the pool is `--kv-cache-memory` GiB. CUDA: `--gpu-memory-utilization` of the card minus what the process
+holds after loading (weights, rotary tables) and the activation peak of profiling forwards (memory_profile.py).
+`--num-gpu-blocks-override` wins over both (tests).
 """
 
 from __future__ import annotations
@@ -11,8 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.engine.memory_profile import activation_peak_bytes
 from kvserve.model.loader import DTYPES, LoadedModel
-from kvserve.planner.budget import kv_pool_bytes, max_concurrency, max_model_len_for_blocks, num_blocks_for_pool
+from kvserve.planner.budget import (
+    kv_pool_bytes,
+    max_concurrency,
+    max_model_len_for_blocks,
+    memory_budget_bytes,
+    num_blocks_for_pool,
+)
 from kvserve.planner.kv import kv_block_bytes
 from kvserve.planner.specs import spec_from_hf_config
 
@@ -21,7 +29,8 @@ GIB = 2**30
 
 
 class PoolTooSmall(RuntimeError):
-    """One request of --max-model-len does not fit in the pool: the engine refuses to start."""
+    """The pool cannot hold one request of --max-model-len, or the GPU lacks the memory asked for: the engine
+    refuses to start."""
 
 
 @dataclass(slots=True)
@@ -64,6 +73,12 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
     block_bytes = kv_block_bytes(
         spec, cache.block_size, cache.kv_cache_dtype, _dtype_name(loaded.dtype), config.parallel.tensor_parallel_size
     )
+    model_limit = loaded.config.max_position_embeddings
+    if (config.scheduler.max_model_len or 0) > model_limit:
+        raise ValueError(
+            f"--max-model-len {config.scheduler.max_model_len} exceeds the model's maximum context of {model_limit} "
+            "tokens"
+        )
     if cache.num_gpu_blocks_override is not None:
         num_blocks, source = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
     elif device.type == "cuda":
@@ -72,12 +87,7 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
         gib = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB
         num_blocks, source = num_blocks_for_pool(int(gib * GIB), block_bytes), f"--kv-cache-memory {gib:g} GiB"
     largest_fit = max_model_len_for_blocks(num_blocks, cache.block_size)
-    model_limit = loaded.config.max_position_embeddings
     max_model_len = config.scheduler.max_model_len or min(model_limit, largest_fit)
-    if max_model_len > model_limit:
-        raise ValueError(
-            f"--max-model-len {max_model_len} exceeds the model's maximum context of {model_limit} tokens"
-        )
     if max_model_len > largest_fit:
         raise PoolTooSmall(
             f"one request of --max-model-len {max_model_len} needs {-(-max_model_len // cache.block_size)} blocks "
@@ -89,26 +99,19 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
 
 
 def _cuda_blocks(config: EngineConfig, loaded: LoadedModel, device: torch.device, block_bytes: int) -> tuple[int, str]:
-    activation_bytes = _profile_activation_peak(config, loaded, device)
-    _, total = torch.cuda.mem_get_info(device)
-    pool = kv_pool_bytes(total, config.cache.gpu_memory_utilization, loaded.weights_bytes, activation_bytes)
-    source = (f"--gpu-memory-utilization {config.cache.gpu_memory_utilization} of {total / GIB:.1f} GiB, "
-              f"weights {loaded.weights_bytes / GIB:.2f} GiB, activations {activation_bytes / GIB:.2f} GiB")
-    return num_blocks_for_pool(pool, block_bytes), source
-
-
-def _profile_activation_peak(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> int:
-    """Peak memory of a cache-less forward over a full token budget, above the weights."""
-    from kvserve.model.attention import AttentionMetadata
-
-    num_tokens = config.scheduler.max_num_batched_tokens
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    with torch.inference_mode():
-        loaded.model(
-            torch.zeros(num_tokens, dtype=torch.long, device=device),
-            torch.arange(num_tokens, device=device) % loaded.config.max_position_embeddings,
-            AttentionMetadata.for_prompts([num_tokens]),
+    utilization = config.cache.gpu_memory_utilization
+    free, total = torch.cuda.mem_get_info(device)
+    budget = memory_budget_bytes(total, utilization)
+    usable = free + torch.cuda.memory_reserved(device)  # what others leave us, plus what this process holds
+    if usable < budget:
+        raise PoolTooSmall(
+            f"--gpu-memory-utilization {utilization} asks for {budget / GIB:.2f} GiB of the {total / GIB:.1f} GiB on "
+            f"{device}, but other processes hold {(total - usable) / GIB:.2f} GiB; lower --gpu-memory-utilization "
+            f"(at most {usable / total:.2f} fits now) or free the GPU"
         )
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    resident = torch.cuda.memory_allocated(device)  # weights, rotary tables: everything loaded so far
+    activation_bytes = activation_peak_bytes(config, loaded, device)
+    pool = kv_pool_bytes(total, utilization, resident, activation_bytes)
+    source = (f"--gpu-memory-utilization {utilization} of {total / GIB:.1f} GiB, model {resident / GIB:.2f} GiB, "
+              f"activations {activation_bytes / GIB:.2f} GiB")
+    return num_blocks_for_pool(pool, block_bytes), source

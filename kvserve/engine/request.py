@@ -51,7 +51,7 @@ class Request:
     num_preemptions: int = 0
     num_sent_tokens: int = 0  # output tokens already handed out in a RequestOutput
     block_hashes: list = field(default_factory=list)  # owned by the request, filled by the KV cache manager
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded request's own, made by the sampler on its first draw
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -61,8 +61,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -66,12 +66,12 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
     params = request.sampling_params
     if params.repetition_penalty != 1.0:
         # Applies to every token seen (prompt and output): shrink positive logits, grow negative ones.
-        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and request.num_output_tokens:
         # OpenAI semantics: only generated tokens count.
-        output = torch.tensor(request.output_token_ids, dtype=torch.long)
+        output = torch.tensor(request.output_token_ids, dtype=torch.long, device=row.device)
         counts = torch.bincount(output, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
@@ -111,8 +111,16 @@ def _draw_one(row: torch.Tensor, request: Request) -> int:
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one generator call per token.
-    noise = torch.empty_like(probs).exponential_(1.0, generator=request.generator)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=_seeded_generator(request, probs.device))
     return int((probs / noise).argmax().item())
+
+
+def _seeded_generator(request: Request, device: torch.device) -> torch.Generator | None:
+    """The request's own generator, made on first draw on the logits' device (a CUDA draw needs a CUDA one)."""
+    seed = request.sampling_params.seed
+    if seed is not None and request.generator is None:
+        request.generator = torch.Generator(device=device).manual_seed(seed)
+    return request.generator
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

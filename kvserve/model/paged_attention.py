@@ -8,9 +8,9 @@ On CPU, when the C++ kernels build (kvserve/model/cpu_kernels.py), both kinds of
 through the block tables: decodes (one new token per sequence) in one kernel call per layer, and every prefill
 segment of the step in another (bf16 on CPUs with AVX512-BF16; 4-6x torch's flash kernel at 400 tokens).
 The portable torch path (CUDA, other dtypes, a CPU without a compiler) batches decodes into two matmuls over a
-padded context gathered with one index_select per layer (indices built once per step), and runs each prefill
-through SDPA: over its own new K/V when it has no cached past, over a context gathered from the cache when it
-has.
+padded context gathered with one index_select per layer (indices built once per step), in chunks of sequences
+so the gathered copy stays under a bound the engine's memory profile covers; it runs each prefill through
+SDPA: over its own new K/V when it has no cached past, over a context gathered from the cache when it has.
 """
 
 from __future__ import annotations
@@ -49,9 +49,13 @@ class DecodeGroup:
 
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
     context_lens: torch.Tensor  # [num_decodes] int64, including the new token
+    max_context_len: int  # max(context_lens), from the host: reading a CUDA tensor would sync mid-forward
     block_size: int
     sliding_window: int | None
     use_kernel: bool  # the compiled CPU kernel reads blocks in place; otherwise the portable gather path
+    # The portable path gathers at most this many padded context tokens per layer at once (whole sequences, at
+    # least one), so its transient copy is bounded whatever the batch; None: every sequence at once.
+    max_gather_tokens: int | None = None
     # Built on first use by the portable path and shared by every layer of the step.
     _gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -59,10 +63,16 @@ class DecodeGroup:
     def num_decodes(self) -> int:
         return self.context_lens.shape[0]
 
+    @property
+    def rows_per_gather(self) -> int:
+        if self.max_gather_tokens is None:
+            return self.num_decodes
+        return max(1, self.max_gather_tokens // self.max_context_len)
+
     def gather_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(context slots [num_decodes * max_len], padded with slot 0; mask [num_decodes, 1, 1, max_len])."""
+        """(context slots [num_decodes, max_len], padded with slot 0; mask [num_decodes, 1, 1, max_len])."""
         if self._gather is None:
-            max_len = int(self.context_lens.max())
+            max_len = self.max_context_len
             offsets = torch.arange(self.block_size, device=self.block_tables.device)
             slots = (self.block_tables.unsqueeze(2) * self.block_size + offsets).flatten(1)[:, :max_len]
             key_pos = torch.arange(max_len, device=slots.device).unsqueeze(0)
@@ -71,7 +81,7 @@ class DecodeGroup:
             slots = slots.masked_fill(~mask, 0)
             if self.sliding_window is not None:
                 mask &= key_pos > lengths - 1 - self.sliding_window
-            self._gather = (slots.reshape(-1), mask.view(self.num_decodes, 1, 1, max_len))
+            self._gather = (slots, mask.view(self.num_decodes, 1, 1, max_len))
         return self._gather
 
 
@@ -124,18 +134,30 @@ def _decode(attn, q: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup, o
 
 
 def _decode_portable(attn, q_dec: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup) -> torch.Tensor:
-    """One query per sequence against its padded context, as two batched matmuls.
+    """One query per sequence against its padded context, as two batched matmuls per chunk of sequences.
 
     Not SDPA: torch's CPU flash kernel is built for long queries and is several times slower for one query per
     sequence. Query heads are grouped under their KV head (GQA) so K/V are never repeated.
     """
     slots, mask = group.gather_plan()
-    num_decodes, max_len = mask.shape[0], mask.shape[-1]
+    rows = group.rows_per_gather
+    if rows >= group.num_decodes:
+        return _attend_padded(attn, q_dec, kv_cache, slots, mask)
+    return torch.cat([
+        _attend_padded(attn, q_dec[start:start + rows], kv_cache, slots[start:start + rows], mask[start:start + rows])
+        for start in range(0, group.num_decodes, rows)
+    ])
+
+
+def _attend_padded(attn, q_dec: torch.Tensor, kv_cache: LayerKVCache, slots: torch.Tensor, mask: torch.Tensor
+                   ) -> torch.Tensor:
+    num_decodes, max_len = slots.shape
     group_size = attn.num_heads // attn.num_kv_heads
     kv_shape = (num_decodes, max_len, attn.num_kv_heads, attn.head_dim)
     # Gather, then head-major [seqs, kv_heads, context, head_dim] so each matmul operand is contiguous.
-    keys = kv_cache.flat_key.index_select(0, slots).view(kv_shape).transpose(1, 2).contiguous().to(q_dec.dtype)
-    values = kv_cache.flat_value.index_select(0, slots).view(kv_shape).transpose(1, 2).contiguous().to(q_dec.dtype)
+    flat_slots = slots.reshape(-1)
+    keys = kv_cache.flat_key.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).contiguous().to(q_dec.dtype)
+    values = kv_cache.flat_value.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).contiguous().to(q_dec.dtype)
     queries = q_dec.reshape(num_decodes, attn.num_kv_heads, group_size, attn.head_dim)
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float().mul_(attn.scale)  # [seqs, kv_heads, group, ctx]
     scores.masked_fill_(~mask, float("-inf"))

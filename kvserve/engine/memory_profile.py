@@ -1,0 +1,96 @@
+"""Activation memory of the largest steps the engine can run, measured on CUDA before the KV pool is sized.
+
+Two forwards bound a step's transient memory:
+- a prefill of the whole token budget (`--max-num-batched-tokens`) continuing the longest past a request can
+  have, which gathers that past from the cache, with logits for as many rows as can sample in one step;
+- a decode step whose portable attention gathers its largest chunk of padded context (`decode_gather_tokens`).
+Both run against a one-block stand-in KV cache (every slot maps to it): attention's transient copies depend on
+how many tokens it reads, not on the pool they come from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.cache.kv_storage import allocate_kv_storage
+from kvserve.config import EngineConfig, SchedulerConfig
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.loader import LoadedModel
+from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
+
+# The portable decode path gathers up to this many padded context tokens per batched token of the step budget:
+# per layer, ~8 KB per token for an 8B model (K and V, copied twice), about what a prefill token's activations
+# take, so the two forwards' peaks stay of one size.
+DECODE_GATHER_TOKENS_PER_BATCHED_TOKEN = 16
+
+
+def decode_gather_tokens(scheduler: SchedulerConfig) -> int:
+    """Padded context tokens the portable decode path gathers per layer at once (see DecodeGroup)."""
+    return DECODE_GATHER_TOKENS_PER_BATCHED_TOKEN * scheduler.max_num_batched_tokens
+
+
+def activation_peak_bytes(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> int:
+    """Peak bytes above what is allocated now (the weights) over the two profiling forwards, on CUDA."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run_profile_forwards(config, loaded, device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return peak
+
+
+@torch.inference_mode()
+def run_profile_forwards(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+    """The two forwards, through the portable attention path (the one CUDA runs); device-agnostic."""
+    model_cfg = loaded.config
+    context_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
+                      model_cfg.max_position_embeddings)
+    block_size = config.cache.block_size
+    kv_caches = allocate_kv_storage(model_cfg.num_hidden_layers, 1, block_size, model_cfg.num_key_value_heads,
+                                    model_cfg.head_dim, loaded.dtype, device)
+    _prefill_forward(config, loaded, device, kv_caches, context_len)
+    _decode_forward(config, loaded, device, kv_caches, context_len)
+
+
+def _prefill_forward(config: EngineConfig, loaded: LoadedModel, device: torch.device, kv_caches: list,
+                     context_len: int) -> None:
+    num_tokens = config.scheduler.max_num_batched_tokens
+    num_past = max(0, context_len - num_tokens)
+    context_slots = torch.zeros(num_past + num_tokens, dtype=torch.long, device=device) if num_past else None
+    paged = PagedAttentionMetadata(
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=device),
+        prefill=PrefillGroup([PrefillSegment(0, num_tokens, num_past, context_slots)], kernel_inputs=None),
+    )
+    positions = (torch.arange(num_tokens, device=device) + num_past) % loaded.config.max_position_embeddings
+    num_sampling = min(config.scheduler.max_num_seqs, num_tokens)
+    loaded.model(
+        torch.zeros(num_tokens, dtype=torch.long, device=device), positions,
+        AttentionMetadata(query_start_loc=[0, num_tokens], num_computed_tokens=[num_past], paged=paged),
+        kv_caches=kv_caches, logits_indices=torch.arange(num_sampling, device=device),
+    )
+
+
+def _decode_forward(config: EngineConfig, loaded: LoadedModel, device: torch.device, kv_caches: list,
+                    context_len: int) -> None:
+    gather_tokens = decode_gather_tokens(config.scheduler)
+    num_seqs = min(config.scheduler.max_num_seqs, max(1, gather_tokens // context_len))
+    block_size = config.cache.block_size
+    group = DecodeGroup(
+        block_tables=torch.zeros(num_seqs, -(-context_len // block_size), dtype=torch.long, device=device),
+        context_lens=torch.full((num_seqs,), context_len, dtype=torch.long, device=device),
+        max_context_len=context_len,
+        block_size=block_size,
+        sliding_window=loaded.config.sliding_window,
+        use_kernel=False,
+        max_gather_tokens=gather_tokens,
+    )
+    paged = PagedAttentionMetadata(slot_mapping=torch.zeros(num_seqs, dtype=torch.long, device=device), decode=group)
+    loaded.model(
+        torch.zeros(num_seqs, dtype=torch.long, device=device),
+        torch.full((num_seqs,), context_len - 1, dtype=torch.long, device=device) % loaded.config.max_position_embeddings,
+        AttentionMetadata(query_start_loc=list(range(num_seqs + 1)), num_computed_tokens=[context_len - 1] * num_seqs,
+                          paged=paged),
+        kv_caches=kv_caches,
+    )
