@@ -3,7 +3,8 @@
     python benchmarks/offline_throughput.py [--model PATH] [--workloads a,b,single] [--skip-transformers]
 
 (a) 32 prompts of ~430 tokens sharing their first 400, exactly 64 output tokens each (kvserve with prefix
-    caching off, as the engine issue's target asks, and again with it on: `a-cached`);
+    caching off, as the engine issue's target asks, and again with it on: `a-cached`; and sampled with
+    temperature 0.8 and top-p 0.95 instead of greedy, both engines: `a-sampled`);
 (b) 256 prompts of 16-512 tokens with 16-256 output tokens;
 single: one request, 256 output tokens (single-stream decode speed).
 transformers runs static batches of 32 (left-padded, every batch runs to its longest output), bf16.
@@ -27,8 +28,12 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.loader import resolve_model_path  # noqa: E402
 
 
-def run_kvserve(llm: LLM, requests: list[BenchRequest]) -> float:
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+
+
+def run_kvserve(llm: LLM, requests: list[BenchRequest], sampling: dict | None = None) -> float:
+    sampling = sampling or {"temperature": 0.0}
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, **sampling) for r in requests]
     started = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
     elapsed = time.perf_counter() - started
@@ -48,7 +53,7 @@ def load_transformers(model_path: Path):
     return model
 
 
-def run_transformers(model, requests: list[BenchRequest], batch_size: int = 32) -> float:
+def run_transformers(model, requests: list[BenchRequest], sampling: dict | None = None, batch_size: int = 32) -> float:
     started = time.perf_counter()
     for start in range(0, len(requests), batch_size):
         batch = requests[start : start + batch_size]
@@ -60,7 +65,8 @@ def run_transformers(model, requests: list[BenchRequest], batch_size: int = 32) 
             mask[row, longest - len(request.prompt_token_ids):] = 1
         new_tokens = max(r.max_tokens for r in batch)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+            model.generate(ids, attention_mask=mask, do_sample=bool(sampling), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, **(sampling or {}))
     elapsed = time.perf_counter() - started
     return sum(r.max_tokens for r in requests) / elapsed
 
@@ -68,7 +74,7 @@ def run_transformers(model, requests: list[BenchRequest], batch_size: int = 32) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the SmolLM2-135M-Instruct demo GGUF")
-    parser.add_argument("--workloads", default="a,a-cached,b,single")
+    parser.add_argument("--workloads", default="a,a-cached,a-sampled,b,single")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--kv-cache-memory", type=float, default=2.0)
     args = parser.parse_args()
@@ -85,6 +91,7 @@ def main() -> None:
     sets = {
         "a": ("(a) 32 x ~430-token prompts, 400 shared, 64 out", shared_prefix_workload(tokenizer)),
         "a-cached": ("(a) the same, kvserve with prefix caching on", shared_prefix_workload(tokenizer)),
+        "a-sampled": ("(a) the same, sampled (temperature 0.8, top-p 0.95)", shared_prefix_workload(tokenizer)),
         "b": ("(b) 256 x 16-512-token prompts, 16-256 out", mixed_workload(tokenizer)),
         "single": ("single stream, 256 out", [BenchRequest(shared_prefix_workload(tokenizer, 1)[0].prompt_token_ids, 256)]),
     }
@@ -98,10 +105,11 @@ def main() -> None:
         if key == "a-cached":
             run_kvserve(cached_llm, sets["a"][1][:4])  # warm-up, then forget it: the run computes the prefix once
             cached_llm.reset_prefix_cache()
-        ours = run_kvserve(cached_llm if key == "a-cached" else llm, requests)
+        sampling = SAMPLED if key == "a-sampled" else None
+        ours = run_kvserve(cached_llm if key == "a-cached" else llm, requests, sampling)
         baseline_key = "a" if key == "a-cached" else key
         if hf_model is not None and baseline_key not in hf_results:
-            hf_results[baseline_key] = run_transformers(hf_model, requests)
+            hf_results[baseline_key] = run_transformers(hf_model, requests, sampling)
         theirs = hf_results.get(baseline_key)
         ratio = f"{ours / theirs:6.2f}x" if theirs else "   n/a"
         print(f"{title:52} {ours:14.1f} {theirs or float('nan'):13.1f} {ratio}", flush=True)

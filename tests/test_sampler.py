@@ -1,0 +1,106 @@
+"""The sampler draws from the distribution users ask for: temperature, top-k, top-p, min-p, each alone and
+together, checked token by token against a plain sort-based reference over many draws; seeded rows draw the
+same tokens in any batch; logprobs are those of the raw logits."""
+
+import pytest
+import torch
+
+from kvserve.engine.request import Request
+from kvserve.engine.sampler import sample
+from kvserve.engine.sampling_params import SamplingParams
+
+NUM_DRAWS = 20_000
+
+
+def request(params: SamplingParams, name: str = "r") -> Request:
+    return Request(name, [1, 2, 3], params, eos_token_ids=[], detokenizer=None, max_model_len=1 << 20)
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    scaled = logits / params.temperature
+    if params.top_k:
+        scaled = scaled.masked_fill(scaled < scaled.topk(params.top_k).values[-1], float("-inf"))
+    probs = scaled.softmax(-1)
+    if params.top_p < 1:
+        ordered, order = probs.sort(descending=True)
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order, (ordered.cumsum(0) - ordered) < params.top_p)
+        probs = probs * keep
+    if params.min_p:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def draw_counts(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    rows = logits.expand(NUM_DRAWS, -1)
+    tokens = [s.token_id for s in sample(rows, [request(params)] * NUM_DRAWS)]
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[0]).double()
+
+
+CASES = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top-k": SamplingParams(temperature=1.0, top_k=12),
+    "top-p": SamplingParams(temperature=1.0, top_p=0.8),
+    "min-p": SamplingParams(temperature=1.3, min_p=0.02),
+    "all together": SamplingParams(temperature=0.9, top_k=200, top_p=0.9, min_p=0.01),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("vocab", [600, 2000])  # 600: not a multiple of the CDF block; 2000: a cut past 1024
+def test_draws_follow_the_requested_distribution(case, vocab):
+    torch.manual_seed(0)
+    scale = 2.0 if vocab == 600 else 0.3  # the flat one needs most of the vocabulary for top-p's mass
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * scale
+    expected = reference_probs(logits, CASES[case]) * NUM_DRAWS
+    counts = draw_counts(logits, CASES[case])
+    assert counts[expected == 0].sum() == 0, "a token outside the kept set was drawn"
+    # Every token within 5 standard deviations of its expected count.
+    sigma = (expected * (1 - expected / NUM_DRAWS)).sqrt()
+    assert ((counts - expected).abs() <= 5 * sigma + 3).all()
+
+
+def test_top_p_cut_beyond_the_partial_sort_candidates_is_exact():
+    logits = -0.0005 * torch.arange(3000.0)  # nearly flat: top_p 0.9 keeps ~2,690 tokens
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    kept = int((reference_probs(logits, params) > 0).sum())
+    assert kept > 2000
+    torch.manual_seed(0)
+    tokens = torch.tensor([s.token_id for s in sample(logits.expand(NUM_DRAWS, -1), [request(params)] * NUM_DRAWS)])
+    assert int(tokens.max()) == kept - 1  # the last kept token is drawn, nothing past it
+
+
+def test_seeded_rows_draw_the_same_tokens_in_any_batch():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(20, 500, generator=generator) * 2
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=100, seed=42)
+    alone = [sample(logits[i:i + 1], [request(params, str(i))])[0].token_id for i in range(20)]
+    mixed = [request(params, str(i)) if i % 2 else request(SamplingParams(temperature=0.8), str(i)) for i in range(20)]
+    together = [s.token_id for s in sample(logits, mixed)]
+    assert [together[i] for i in range(1, 20, 2)] == [alone[i] for i in range(1, 20, 2)]
+
+
+def test_logprobs_are_those_of_the_raw_logits():
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2)) * 3
+    requests = [request(SamplingParams(temperature=1.0, top_k=5, logprobs=4, seed=7)),
+                request(SamplingParams(temperature=0.0)),
+                request(SamplingParams(temperature=0.0, logprobs=0))]
+    out = sample(logits, requests)
+    raw = logits.log_softmax(-1)
+    first = out[0].logprobs
+    assert first.logprob == pytest.approx(float(raw[0, out[0].token_id]))
+    assert first.rank == int((raw[0] > raw[0, out[0].token_id]).sum()) + 1
+    assert [t for t, _ in first.top] == raw[0].topk(4).indices.tolist()
+    assert out[1].logprobs is None
+    assert out[2].token_id == int(logits[2].argmax()) and out[2].logprobs.rank == 1 and out[2].logprobs.top == []
+
+
+def test_a_row_without_mass_takes_its_most_likely_token_and_spares_the_batch():
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(3))
+    logits[1] = float("-inf")
+    logits[1, 17] = float("nan")
+    logits[2, 5] = float("-inf")
+    requests = [request(SamplingParams(temperature=1.0)), request(SamplingParams(temperature=1.0)),
+                request(SamplingParams(temperature=1e300))]  # inf in fp32: -inf / inf would be NaN
+    tokens = [s.token_id for s in sample(logits, requests)]
+    assert all(0 <= t < 300 for t in tokens)
+    assert tokens[2] != 5
