@@ -40,25 +40,48 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _sampling_params(args: argparse.Namespace):
     from kvserve.engine.sampling_params import SamplingParams
+    from kvserve.engine.startup import EngineStartError
 
-    return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, max_tokens=args.max_tokens,
-        stop=args.stop, ignore_eos=args.ignore_eos,
-    )
+    try:
+        return SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, max_tokens=args.max_tokens,
+            stop=args.stop, ignore_eos=args.ignore_eos,
+        )
+    except ValueError as exc:
+        raise EngineStartError(str(exc), usage=True) from None
 
 
 def _make_llm(args: argparse.Namespace):
-    from kvserve.engine.args import engine_config_from_args
     from kvserve.engine.llm import LLM
+    from kvserve.engine.startup import engine_config_from_flags, start_engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return LLM.from_config(engine_config_from_args(args))
+    return LLM.from_engine(start_engine(engine_config_from_flags(args)))
 
 
+def _fails_in_one_line(command: str):
+    """Runs the command; a start-up failure ends with one line on stderr and exit status 2 (usage) or 1."""
+
+    def wrap(run):
+        def run_reporting_failures(args: argparse.Namespace) -> int:
+            from kvserve.engine.startup import EngineStartError
+
+            try:
+                return run(args)
+            except EngineStartError as exc:
+                print(f"kvserve {command}: error: {exc}", file=sys.stderr)
+                return 2 if exc.usage else 1
+
+        return run_reporting_failures
+
+    return wrap
+
+
+@_fails_in_one_line("generate")
 def run_generate(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
     params = _sampling_params(args)
+    llm = _make_llm(args)
     started = time.perf_counter()
     if args.chat_template:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
@@ -74,9 +97,10 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@_fails_in_one_line("chat")
 def run_chat(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
     params = _sampling_params(args)
+    llm = _make_llm(args)
     engine = llm.engine
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat: type a message, empty line or Ctrl-D to quit.", file=sys.stderr)

@@ -22,8 +22,12 @@ class LLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
+        return cls.from_engine(LLMEngine(config))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
         llm = cls.__new__(cls)
-        llm._start(LLMEngine(config))
+        llm._start(engine)
         return llm
 
     def _start(self, engine: LLMEngine) -> None:

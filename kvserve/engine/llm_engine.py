@@ -74,7 +74,20 @@ class EngineCounters:
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {name}: torch sees no CUDA device (torch {torch.__version__}, built "
+                             f"{'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for CPU only'})")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: torch sees {count} CUDA device(s), numbered from 0")
+    return device
 
 
 class LLMEngine:

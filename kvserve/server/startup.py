@@ -62,13 +62,11 @@ def validate_server_args(args: argparse.Namespace) -> None:
 
 
 def build_engine_config(args: argparse.Namespace):
-    from kvserve.engine.args import engine_config_from_args
+    from kvserve.engine.startup import EngineStartError, engine_config_from_flags
 
     try:
-        config = engine_config_from_args(args)
-    except NotImplementedError as exc:  # a vLLM option whose feature kvserve has not built yet
-        raise StartupError(f"{exc}", EXIT_USAGE) from None
-    except (ValueError, TypeError) as exc:
+        config = engine_config_from_flags(args)
+    except EngineStartError as exc:
         raise StartupError(str(exc), EXIT_USAGE) from None
     config.scheduler.max_waiting_requests = args.max_waiting_requests
     return config
@@ -88,24 +86,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def start_engine(config, max_waiting_requests: int | None):
-    import torch
-
-    from kvserve.config import ModelLoadError
     from kvserve.engine.async_engine import AsyncLLMEngine
-    from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.engine.pool_sizing import PoolTooSmall
+    from kvserve.engine.startup import EngineStartError
+    from kvserve.engine.startup import start_engine as start_llm_engine
 
     try:
-        engine = LLMEngine(config)
-    except (ModelLoadError, PoolTooSmall) as exc:
-        raise StartupError(str(exc)) from None
-    except NotImplementedError as exc:
-        raise StartupError(str(exc), EXIT_USAGE) from None
-    except torch.OutOfMemoryError as exc:
-        raise StartupError(f"out of device memory while starting the engine ({str(exc).splitlines()[0]}); lower "
-                           "--gpu-memory-utilization, --max-model-len or --max-num-batched-tokens") from None
-    except (ValueError, OSError) as exc:
-        raise StartupError(f"cannot start the engine: {exc}") from None
+        engine = start_llm_engine(config)
+    except EngineStartError as exc:
+        raise StartupError(str(exc), EXIT_USAGE if exc.usage else EXIT_STARTUP_FAILED) from None
     return AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
 
 
