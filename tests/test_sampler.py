@@ -104,3 +104,32 @@ def test_a_row_without_mass_takes_its_most_likely_token_and_spares_the_batch():
     tokens = [s.token_id for s in sample(logits, requests)]
     assert all(0 <= t < 300 for t in tokens)
     assert tokens[2] != 5
+
+
+def test_penalties_match_their_definitions_row_by_row():
+    from kvserve.engine.sampler import _apply_presence_and_frequency_penalties, _apply_repetition_penalties
+
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 50, generator=generator) * 3
+    settings = [dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=0.4),
+                dict(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.0), dict()]
+    requests = []
+    for row, setting in enumerate(settings):
+        r = Request(str(row), [1, 2, 3, 3, 10 + row], SamplingParams(**setting), [], None, 1 << 20)
+        for token in [3, 7, 7, 7, 20 + row]:
+            r.append_output_token(token)
+        requests.append(r)
+    expected = logits.clone()
+    for row, r in enumerate(requests):
+        p = r.sampling_params
+        for token in set(r.all_token_ids):  # repetition: prompt and output, once per distinct token
+            value = expected[row, token]
+            expected[row, token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+        for token in set(r.output_token_ids):  # presence and frequency: generated tokens only
+            count = r.output_token_ids.count(token)
+            expected[row, token] -= p.frequency_penalty * count + p.presence_penalty
+    got = logits.clone()
+    _apply_repetition_penalties(got, requests)
+    _apply_presence_and_frequency_penalties(got, requests)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(got[3], logits[3])

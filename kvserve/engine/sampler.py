@@ -9,6 +9,8 @@ tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from array import array
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +34,12 @@ class SampledToken:
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
     """logits: [num_requests, vocab] fp32, row i for requests[i]."""
     raw_logprobs = _raw_logprobs(logits, requests)
-    logits = logits.clone() if _needs_processing(requests) else logits
-    for row, request in enumerate(requests):
-        _apply_penalties(logits[row], request)
-        _ban_eos_before_min_tokens(logits[row], request)
+    if _needs_processing(requests):
+        logits = logits.clone()
+        _apply_repetition_penalties(logits, requests)
+        _apply_presence_and_frequency_penalties(logits, requests)
+        for row, request in enumerate(requests):
+            _ban_eos_before_min_tokens(logits[row], request)
     token_ids = _draw(logits, requests)
     logprobs = _logprobs(raw_logprobs, token_ids, requests)
     return [SampledToken(token_id, entry) for token_id, entry in zip(token_ids, logprobs)]
@@ -77,18 +81,44 @@ def _logprobs(raw_logprobs: torch.Tensor | None, token_ids: list[int], requests:
     return entries
 
 
-def _apply_penalties(row: torch.Tensor, request: Request) -> None:
-    params = request.sampling_params
-    if params.repetition_penalty != 1.0:
-        # Applies to every token seen (prompt and output): shrink positive logits, grow negative ones.
-        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
-        values = row[seen]
-        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and request.num_output_tokens:
-        # OpenAI semantics: only generated tokens count.
-        output = torch.tensor(request.output_token_ids, dtype=torch.long, device=row.device)
-        counts = torch.bincount(output, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
-        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+def _apply_repetition_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Every token a row has seen (prompt and output): positive logits shrink, negative ones grow; all rows in
+    one indexed update."""
+    row_ids: list[int] = []
+    seen_counts: list[int] = []
+    tokens = array("q")  # int64 without a Python object per element: a long context has thousands
+    for row, request in enumerate(requests):
+        if request.sampling_params.repetition_penalty != 1.0:
+            seen = set(request.all_token_ids)
+            row_ids.append(row)
+            seen_counts.append(len(seen))
+            tokens.extend(seen)
+    if not row_ids:
+        return
+    device = logits.device
+    rows = torch.tensor(row_ids, device=device).repeat_interleave(torch.tensor(seen_counts, device=device))
+    index = (rows, torch.frombuffer(tokens, dtype=torch.int64).to(device))
+    penalties = torch.tensor([r.sampling_params.repetition_penalty for r in requests], device=device)
+    values, penalty = logits[index], penalties[rows]
+    logits[index] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _apply_presence_and_frequency_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """OpenAI semantics: only generated tokens count; all rows in one indexed update."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    amounts: list[float] = []
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if params.presence_penalty or params.frequency_penalty:
+            for token, count in Counter(request.output_token_ids).items():
+                rows.append(row)
+                tokens.append(token)
+                amounts.append(params.frequency_penalty * count + params.presence_penalty)
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+        logits[index] -= torch.tensor(amounts, device=device)
 
 
 def _ban_eos_before_min_tokens(row: torch.Tensor, request: Request) -> None:
