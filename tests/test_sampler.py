@@ -133,3 +133,15 @@ def test_penalties_match_their_definitions_row_by_row():
     _apply_presence_and_frequency_penalties(got, requests)
     torch.testing.assert_close(got, expected)
     assert torch.equal(got[3], logits[3])
+
+
+def test_bf16_logits_sample_as_their_fp32_values_do():
+    """The model hands over logits in its dtype; every path reads them as their exact fp32 values."""
+    logits = (torch.randn(6, 700, generator=torch.Generator().manual_seed(5)) * 4).bfloat16()
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=3),
+                SamplingParams(temperature=0.9, top_p=0.9, seed=1),
+                SamplingParams(temperature=0.0, repetition_penalty=1.5),
+                SamplingParams(temperature=1.0, top_k=20, seed=2, logprobs=2), SamplingParams(temperature=0.0)]
+    got = sample(logits, [request(p, str(i)) for i, p in enumerate(settings)])
+    expected = sample(logits.float(), [request(p, str(i)) for i, p in enumerate(settings)])
+    assert got == expected

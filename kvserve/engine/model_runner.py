@@ -41,7 +41,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """Runs one forward; returns the requests that sample this step and their logits [n, vocab] (fp32)."""
+        """Runs one forward; returns the requests that sample this step and their logits [n, vocab]."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable otherwise
         token_ids: list[int] = []
         positions: list[int] = []

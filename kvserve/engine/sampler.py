@@ -32,10 +32,10 @@ class SampledToken:
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-    """logits: [num_requests, vocab] fp32, row i for requests[i]."""
+    """logits: [num_requests, vocab] in the model's dtype, row i for requests[i]; processed in fp32."""
     raw_logprobs = _raw_logprobs(logits, requests)
     if _needs_processing(requests):
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         _apply_repetition_penalties(logits, requests)
         _apply_presence_and_frequency_penalties(logits, requests)
         for row, request in enumerate(requests):
@@ -57,7 +57,7 @@ def _needs_processing(requests: list[Request]) -> bool:
 def _raw_logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
     if all(r.sampling_params.logprobs is None for r in requests):
         return None
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
 
 def _logprobs(raw_logprobs: torch.Tensor | None, token_ids: list[int], requests: list[Request]
@@ -134,7 +134,7 @@ def _ban_eos_before_min_tokens(row: torch.Tensor, request: Request) -> None:
 def _draw(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     greedy = [r.sampling_params.greedy for r in requests]
     if all(greedy):
-        return logits.argmax(dim=-1).tolist()
+        return _most_likely(logits).tolist()
     device = logits.device
     random_rows = torch.tensor([i for i, g in enumerate(greedy) if not g], device=device)
     chosen = torch.empty(len(requests), dtype=torch.long, device=device)
@@ -142,14 +142,20 @@ def _draw(logits: torch.Tensor, requests: list[Request]) -> list[int]:
                                        [r for r, g in zip(requests, greedy) if not g])
     if any(greedy):
         greedy_rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
-        chosen[greedy_rows] = logits.index_select(0, greedy_rows).argmax(dim=-1)
+        chosen[greedy_rows] = _most_likely(logits.index_select(0, greedy_rows))
     return chosen.tolist()
+
+
+def _most_likely(logits: torch.Tensor) -> torch.Tensor:
+    # max's indices, not argmax: the same first maximum, but argmax has no fast CPU path for bf16 (6x slower).
+    return logits.max(dim=-1).indices
 
 
 def _draw_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """One token per row from its tempered, filtered distribution; `logits` is a copy this may overwrite."""
     params = [r.sampling_params for r in requests]
     device = logits.device
+    logits = logits.float()
     # Finite in fp32 even for a huge temperature: a banned token's -inf / inf would be NaN.
     temperatures = torch.tensor([p.temperature for p in params], device=device).clamp(max=torch.finfo().max)
     logits = logits.div_(temperatures.unsqueeze(1))

@@ -124,7 +124,8 @@ class LlamaForCausalLM(torch.nn.Module):
         kv_caches: list | None = None,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits in fp32 for the tokens at `logits_indices` (all tokens when None)."""
+        """Logits in the model's dtype for the tokens at `logits_indices` (all tokens when None); a consumer that
+        needs fp32 converts the rows it uses (a batch's [rows, vocab] copy is a large fresh allocation)."""
         x = F.embedding(input_ids, self.embed_tokens)
         step = ForwardStep(positions, metadata, self.rotary, self.fused_kernels if x.device.type == "cpu" else None)
         residual = None
@@ -136,7 +137,7 @@ class LlamaForCausalLM(torch.nn.Module):
             x = x.index_select(0, logits_indices)
         x = self.norm(x.contiguous(), step.kernels)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(x, head).float()
+        return linear(x, head)
 
 
 class ForwardStep:
