@@ -44,8 +44,9 @@ def test_engine_refuses_to_start_when_max_model_len_does_not_fit(tiny_model_dir)
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_cuda_profiling_forwards_run_through_the_portable_path(kind, tiny_model_dir):
-    """The forwards CUDA pool sizing measures (a full-budget prefill over the longest past, a decode gathering
-    its largest chunk) are valid steps of the portable path; here they run on CPU, where memory is not measured."""
+    """The passes CUDA pool sizing measures (a full-budget prefill over the longest past, a decode gathering
+    its largest chunk, the sampler's costliest path over max-num-seqs rows) are valid steps of the portable path;
+    here they run on CPU, where memory is not measured."""
     from kvserve.config import EngineConfig
     from kvserve.engine.memory_profile import run_profile_forwards
     from kvserve.model.loader import load_model

@@ -95,12 +95,14 @@ def test_logprobs_are_those_of_the_raw_logits():
 
 
 def test_a_row_without_mass_takes_its_most_likely_token_and_spares_the_batch():
-    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(3))
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))
     logits[1] = float("-inf")
     logits[1, 17] = float("nan")
     logits[2, 5] = float("-inf")
+    logits[3, 40] = float("nan")
     requests = [request(SamplingParams(temperature=1.0)), request(SamplingParams(temperature=1.0)),
-                request(SamplingParams(temperature=1e300))]  # inf in fp32: -inf / inf would be NaN
+                request(SamplingParams(temperature=1e300)),  # inf in fp32: -inf / inf would be NaN
+                request(SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1))]  # NaN through every filter
     tokens = [s.token_id for s in sample(logits, requests)]
     assert all(0 <= t < 300 for t in tokens)
     assert tokens[2] != 5

@@ -1,11 +1,13 @@
 """Activation memory of the largest steps the engine can run, measured on CUDA before the KV pool is sized.
 
-Two forwards bound a step's transient memory:
+Three passes bound a step's transient memory:
 - a prefill of the whole token budget (`--max-num-batched-tokens`) continuing the longest past a request can
   have, which gathers that past from the cache, with logits for as many rows as can sample in one step;
-- a decode step whose portable attention gathers its largest chunk of padded context (`decode_gather_tokens`).
-Both run against a one-block stand-in KV cache (every slot maps to it): attention's transient copies depend on
-how many tokens it reads, not on the pool they come from.
+- a decode step whose portable attention gathers its largest chunk of padded context (`decode_gather_tokens`);
+- the sampler over `--max-num-seqs` rows taking its costliest path (penalties, a whole-vocabulary top-p sort,
+  logprobs).
+The forwards run against a one-block stand-in KV cache (every slot maps to it): attention's transient copies
+depend on how many tokens it reads, not on the pool they come from.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import torch
 
 from kvserve.cache.kv_storage import allocate_kv_storage
 from kvserve.config import EngineConfig, SchedulerConfig
+from kvserve.engine.request import Request
+from kvserve.engine.sampler import sample
+from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.loader import LoadedModel
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
@@ -30,7 +35,7 @@ def decode_gather_tokens(scheduler: SchedulerConfig) -> int:
 
 
 def activation_peak_bytes(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> int:
-    """Peak bytes above what is allocated now (the weights) over the two profiling forwards, on CUDA."""
+    """Peak bytes above what is allocated now (the weights) over the profiling passes, on CUDA."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -43,7 +48,7 @@ def activation_peak_bytes(config: EngineConfig, loaded: LoadedModel, device: tor
 
 @torch.inference_mode()
 def run_profile_forwards(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
-    """The two forwards, through the portable attention path (the one CUDA runs); device-agnostic."""
+    """The three passes, attention through the portable path (the one CUDA runs); device-agnostic."""
     model_cfg = loaded.config
     context_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                       model_cfg.max_position_embeddings)
@@ -52,6 +57,7 @@ def run_profile_forwards(config: EngineConfig, loaded: LoadedModel, device: torc
                                     model_cfg.head_dim, loaded.dtype, device)
     _prefill_forward(config, loaded, device, kv_caches, context_len)
     _decode_forward(config, loaded, device, kv_caches, context_len)
+    _sampler_pass(config, loaded, device)
 
 
 def _prefill_forward(config: EngineConfig, loaded: LoadedModel, device: torch.device, kv_caches: list,
@@ -74,13 +80,19 @@ def _prefill_forward(config: EngineConfig, loaded: LoadedModel, device: torch.de
 
 def _decode_forward(config: EngineConfig, loaded: LoadedModel, device: torch.device, kv_caches: list,
                     context_len: int) -> None:
+    # The largest chunk a step can gather: one whole context when it exceeds the bound, otherwise as many
+    # sequences as fit, of the length that fills the bound (a shorter max context packs more rows per chunk).
     gather_tokens = decode_gather_tokens(config.scheduler)
-    num_seqs = min(config.scheduler.max_num_seqs, max(1, gather_tokens // context_len))
+    if context_len >= gather_tokens:
+        num_seqs, length = 1, context_len
+    else:
+        num_seqs = min(config.scheduler.max_num_seqs, -(-gather_tokens // context_len))
+        length = min(context_len, gather_tokens // num_seqs)
     block_size = config.cache.block_size
     group = DecodeGroup(
-        block_tables=torch.zeros(num_seqs, -(-context_len // block_size), dtype=torch.long, device=device),
-        context_lens=torch.full((num_seqs,), context_len, dtype=torch.long, device=device),
-        max_context_len=context_len,
+        block_tables=torch.zeros(num_seqs, -(-length // block_size), dtype=torch.long, device=device),
+        context_lens=torch.full((num_seqs,), length, dtype=torch.long, device=device),
+        max_context_len=length,
         block_size=block_size,
         sliding_window=loaded.config.sliding_window,
         use_kernel=False,
@@ -89,8 +101,19 @@ def _decode_forward(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     paged = PagedAttentionMetadata(slot_mapping=torch.zeros(num_seqs, dtype=torch.long, device=device), decode=group)
     loaded.model(
         torch.zeros(num_seqs, dtype=torch.long, device=device),
-        torch.full((num_seqs,), context_len - 1, dtype=torch.long, device=device) % loaded.config.max_position_embeddings,
-        AttentionMetadata(query_start_loc=list(range(num_seqs + 1)), num_computed_tokens=[context_len - 1] * num_seqs,
+        torch.full((num_seqs,), length - 1, dtype=torch.long, device=device),
+        AttentionMetadata(query_start_loc=list(range(num_seqs + 1)), num_computed_tokens=[length - 1] * num_seqs,
                           paged=paged),
         kv_caches=kv_caches,
     )
+
+
+def _sampler_pass(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+    """Flat logits (the top-p cut lies past every partial sort) with penalties and top logprobs on every row."""
+    num_rows = config.scheduler.max_num_seqs
+    params = SamplingParams(temperature=1.0, top_p=0.999, min_p=0.001, repetition_penalty=1.1, presence_penalty=0.1,
+                            logprobs=20)
+    requests = [Request(str(row), [0], params, [], None, 1) for row in range(num_rows)]
+    for request in requests:
+        request.append_output_token(0)
+    sample(torch.zeros(num_rows, loaded.config.vocab_size, dtype=loaded.dtype, device=device), requests)

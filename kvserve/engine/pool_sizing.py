@@ -26,6 +26,11 @@ from kvserve.planner.specs import spec_from_hf_config
 
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 GIB = 2**30
+MIB = 2**20
+# What CUDA sizing cannot measure before the pool exists: the caching allocator rounds each large KV tensor up
+# to a 2 MiB multiple, and another thread (the server's engine loop) gets its own cuBLAS workspace.
+CUDA_ROUNDING_PER_KV_TENSOR = 2 * MIB
+CUDA_UNPROFILED_BYTES = 64 * MIB
 
 
 class PoolTooSmall(RuntimeError):
@@ -111,7 +116,8 @@ def _cuda_blocks(config: EngineConfig, loaded: LoadedModel, device: torch.device
         )
     resident = torch.cuda.memory_allocated(device)  # weights, rotary tables: everything loaded so far
     activation_bytes = activation_peak_bytes(config, loaded, device)
-    pool = kv_pool_bytes(total, utilization, resident, activation_bytes)
+    unmeasured = CUDA_UNPROFILED_BYTES + 2 * loaded.config.num_hidden_layers * CUDA_ROUNDING_PER_KV_TENSOR
+    pool = kv_pool_bytes(total, utilization, resident, activation_bytes) - unmeasured
     source = (f"--gpu-memory-utilization {utilization} of {total / GIB:.1f} GiB, model {resident / GIB:.2f} GiB, "
               f"activations {activation_bytes / GIB:.2f} GiB")
     return num_blocks_for_pool(pool, block_bytes), source

@@ -38,8 +38,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         logits = logits.to(torch.float32, copy=True)
         _apply_repetition_penalties(logits, requests)
         _apply_presence_and_frequency_penalties(logits, requests)
-        for row, request in enumerate(requests):
-            _ban_eos_before_min_tokens(logits[row], request)
+        _ban_eos_before_min_tokens(logits, requests)
     token_ids = _draw(logits, requests)
     logprobs = _logprobs(raw_logprobs, token_ids, requests)
     return [SampledToken(token_id, entry) for token_id, entry in zip(token_ids, logprobs)]
@@ -96,7 +95,8 @@ def _apply_repetition_penalties(logits: torch.Tensor, requests: list[Request]) -
     if not row_ids:
         return
     device = logits.device
-    rows = torch.tensor(row_ids, device=device).repeat_interleave(torch.tensor(seen_counts, device=device))
+    rows = torch.tensor(row_ids, device=device).repeat_interleave(torch.tensor(seen_counts, device=device),
+                                                                  output_size=len(tokens))
     index = (rows, torch.frombuffer(tokens, dtype=torch.int64).to(device))
     penalties = torch.tensor([r.sampling_params.repetition_penalty for r in requests], device=device)
     values, penalty = logits[index], penalties[rows]
@@ -121,14 +121,21 @@ def _apply_presence_and_frequency_penalties(logits: torch.Tensor, requests: list
         logits[index] -= torch.tensor(amounts, device=device)
 
 
-def _ban_eos_before_min_tokens(row: torch.Tensor, request: Request) -> None:
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        return
-    banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
-    banned = [t for t in banned if 0 <= t < row.shape[0]]
-    if banned:
-        row[banned] = float("-inf")
+def _ban_eos_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Rows short of min_tokens cannot end: their stop token ids (and EOS unless ignored) get -inf."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    vocab = logits.shape[1]
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
+            banned = [t for t in set(banned) if 0 <= t < vocab]
+            rows.extend([row] * len(banned))
+            tokens.extend(banned)
+    if rows:
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = float("-inf")
 
 
 def _draw(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -164,7 +171,7 @@ def _draw_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     probs = _top_p(probs, [p.top_p for p in params])
     probs = _min_p(probs, [p.min_p for p in params])
     _most_likely_where_no_mass(probs, logits)
-    uniforms = torch.cat([_uniform(request, device) for request in requests])
+    uniforms = _uniforms(requests, device)
     return _inverse_cdf(probs, uniforms)
 
 
@@ -198,8 +205,14 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return (block * CDF_BLOCK + offset).squeeze(1)
 
 
-def _uniform(request: Request, device: torch.device) -> torch.Tensor:
-    return torch.rand(1, dtype=torch.float64, device=device, generator=_seeded_generator(request, device))
+def _uniforms(requests: list[Request], device: torch.device) -> torch.Tensor:
+    """One fp64 uniform per row: unseeded rows share one draw, a seeded row draws from its own generator."""
+    uniforms = torch.rand(len(requests), dtype=torch.float64, device=device)
+    for row, request in enumerate(requests):
+        generator = _seeded_generator(request, device)
+        if generator is not None:
+            uniforms[row] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+    return uniforms
 
 
 def _seeded_generator(request: Request, device: torch.device) -> torch.Generator | None:
@@ -244,7 +257,8 @@ def _top_p_thresholds(probs: torch.Tensor, top_p: torch.Tensor, num_candidates: 
     """[rows, 1]: the probability of each row's last kept token, or NaN where the candidates hold too little."""
     values = probs.topk(num_candidates, dim=1).values  # descending
     mass_before = values.cumsum(dim=1) - values
-    num_kept = (mass_before < top_p).sum(dim=1, keepdim=True)
+    # At least one: a row with no mass (NaN) keeps a NaN threshold here, for the no-mass fallback to handle.
+    num_kept = (mass_before < top_p).sum(dim=1, keepdim=True).clamp(min=1)
     thresholds = values.gather(1, num_kept.clamp(max=num_candidates) - 1)
     if num_candidates < probs.shape[1]:
         thresholds[num_kept == num_candidates] = float("nan")  # the cut may lie beyond the candidates

@@ -80,7 +80,7 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
             name = "bfloat16"
         if name == "float16" and device.type == "cpu":
             name = "bfloat16"  # CPUs have fast bf16 (AMX/AVX-512) kernels but slow fp16 ones
-        if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if name == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
             name = "float16"  # GPUs before Ampere only emulate bf16
     if name not in DTYPES:
         raise ValueError(f"--dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}")

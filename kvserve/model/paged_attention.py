@@ -15,6 +15,7 @@ SDPA: over its own new K/V when it has no cached past, over a context gathered f
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,7 @@ class DecodeGroup:
     # The portable path gathers at most this many padded context tokens per layer at once (whole sequences, at
     # least one), so its transient copy is bounded whatever the batch; None: every sequence at once.
     max_gather_tokens: int | None = None
-    # Built on first use by the portable path and shared by every layer of the step.
+    # A single chunk's gather plan, built on first use and shared by every layer of the step.
     _gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -69,20 +70,32 @@ class DecodeGroup:
             return self.num_decodes
         return max(1, self.max_gather_tokens // self.max_context_len)
 
-    def gather_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(context slots [num_decodes, max_len], padded with slot 0; mask [num_decodes, 1, 1, max_len])."""
-        if self._gather is None:
-            max_len = self.max_context_len
-            offsets = torch.arange(self.block_size, device=self.block_tables.device)
-            slots = (self.block_tables.unsqueeze(2) * self.block_size + offsets).flatten(1)[:, :max_len]
-            key_pos = torch.arange(max_len, device=slots.device).unsqueeze(0)
-            lengths = self.context_lens.unsqueeze(1)
-            mask = key_pos < lengths
-            slots = slots.masked_fill(~mask, 0)
-            if self.sliding_window is not None:
-                mask &= key_pos > lengths - 1 - self.sliding_window
-            self._gather = (slots, mask.view(self.num_decodes, 1, 1, max_len))
-        return self._gather
+    def gather_chunks(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """Per chunk of at most rows_per_gather sequences: (its rows, context slots [rows, max_len] padded with
+        slot 0, mask [rows, 1, 1, max_len]). One chunk's plan is built once and shared by every layer; when the
+        batch needs several, each is rebuilt per layer, so at most one chunk's plan is alive at a time."""
+        rows = self.rows_per_gather
+        if rows >= self.num_decodes:
+            if self._gather is None:
+                self._gather = self._plan(slice(0, self.num_decodes))
+            yield slice(0, self.num_decodes), *self._gather
+            return
+        for start in range(0, self.num_decodes, rows):
+            chunk = slice(start, start + rows)
+            yield chunk, *self._plan(chunk)
+
+    def _plan(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        max_len = self.max_context_len
+        device = self.block_tables.device
+        offsets = torch.arange(self.block_size, device=device)
+        slots = (self.block_tables[rows].unsqueeze(2) * self.block_size + offsets).flatten(1)[:, :max_len]
+        key_pos = torch.arange(max_len, device=device).unsqueeze(0)
+        lengths = self.context_lens[rows].unsqueeze(1)
+        mask = key_pos < lengths
+        slots = slots.masked_fill(~mask, 0)
+        if self.sliding_window is not None:
+            mask &= key_pos > lengths - 1 - self.sliding_window
+        return slots, mask.view(slots.shape[0], 1, 1, max_len)
 
 
 @dataclass(slots=True)
@@ -139,14 +152,8 @@ def _decode_portable(attn, q_dec: torch.Tensor, kv_cache: LayerKVCache, group: D
     Not SDPA: torch's CPU flash kernel is built for long queries and is several times slower for one query per
     sequence. Query heads are grouped under their KV head (GQA) so K/V are never repeated.
     """
-    slots, mask = group.gather_plan()
-    rows = group.rows_per_gather
-    if rows >= group.num_decodes:
-        return _attend_padded(attn, q_dec, kv_cache, slots, mask)
-    return torch.cat([
-        _attend_padded(attn, q_dec[start:start + rows], kv_cache, slots[start:start + rows], mask[start:start + rows])
-        for start in range(0, group.num_decodes, rows)
-    ])
+    outputs = [_attend_padded(attn, q_dec[rows], kv_cache, slots, mask) for rows, slots, mask in group.gather_chunks()]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def _attend_padded(attn, q_dec: torch.Tensor, kv_cache: LayerKVCache, slots: torch.Tensor, mask: torch.Tensor
