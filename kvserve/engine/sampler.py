@@ -72,7 +72,7 @@ def _logprobs(raw_logprobs: torch.Tensor | None, token_ids: list[int], requests:
     values = logprobs.gather(1, chosen)
     ranks = ((logprobs > values).sum(dim=1) + 1).tolist()
     most = max(requests[i].sampling_params.logprobs for i in rows)
-    top_values, top_ids = logprobs.topk(most, dim=1) if most else (logprobs[:, :0], chosen[:, :0])
+    top_values, top_ids = logprobs.topk(most, dim=1)
     top_values, top_ids, values = top_values.tolist(), top_ids.tolist(), values.squeeze(1).tolist()
     for n, i in enumerate(rows):
         k = requests[i].sampling_params.logprobs
