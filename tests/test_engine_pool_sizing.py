@@ -48,11 +48,11 @@ def test_cuda_profiling_forwards_run_through_the_portable_path(kind, tiny_model_
     its largest chunk, the sampler's costliest path over max-num-seqs rows) are valid steps of the portable path;
     here they run on CPU, where memory is not measured."""
     from kvserve.config import EngineConfig
-    from kvserve.engine.memory_profile import run_profile_forwards
+    from kvserve.engine.memory_profile import run_profiling_passes
     from kvserve.model.loader import load_model
 
     folder, _ = tiny_model_dir(kind)
     config = EngineConfig.from_kwargs(model=str(folder), dtype="float32", device="cpu", max_model_len=300,
                                       max_num_batched_tokens=64, max_num_seqs=4)
     loaded = load_model(str(folder), "float32", "cpu")
-    run_profile_forwards(config, loaded, torch.device("cpu"))
+    run_profiling_passes(config, loaded, torch.device("cpu"))

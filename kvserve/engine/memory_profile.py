@@ -39,7 +39,7 @@ def activation_peak_bytes(config: EngineConfig, loaded: LoadedModel, device: tor
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    run_profile_forwards(config, loaded, device)
+    run_profiling_passes(config, loaded, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
@@ -47,7 +47,7 @@ def activation_peak_bytes(config: EngineConfig, loaded: LoadedModel, device: tor
 
 
 @torch.inference_mode()
-def run_profile_forwards(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+def run_profiling_passes(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
     """The three passes, attention through the portable path (the one CUDA runs); device-agnostic."""
     model_cfg = loaded.config
     context_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
