@@ -147,3 +147,13 @@ def test_bf16_logits_sample_as_their_fp32_values_do():
     got = sample(logits, [request(p, str(i)) for i, p in enumerate(settings)])
     expected = sample(logits.float(), [request(p, str(i)) for i, p in enumerate(settings)])
     assert got == expected
+
+
+def test_logit_bias_is_added_before_everything_else():
+    logits = torch.zeros(2, 100)
+    logits[:, 3] = 5.0
+    requests = [request(SamplingParams(temperature=0.0, logit_bias={42: 100.0, 3: -100.0}, logprobs=1)),
+                request(SamplingParams(temperature=0.5, top_k=1, logit_bias={9: 6.0}))]
+    out = sample(logits, requests)
+    assert [s.token_id for s in out] == [42, 9]
+    assert out[0].logprobs.top[0][0] == 3  # logprobs stay those of the raw logits

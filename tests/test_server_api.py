@@ -91,6 +91,22 @@ def test_completion_logprobs_and_echo(client):
     assert echoed.choices[0].text.startswith("Paged attention")
 
 
+def test_logit_bias_bans_and_forces_tokens(client):
+    as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+    def greedy_ids(**kwargs) -> list[int]:
+        out = client.completions.create(model=MODEL_NAME, prompt=ids(9, 12), max_tokens=4, temperature=0, logprobs=0,
+                                        extra_body=as_ids, **kwargs)
+        return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+
+    plain = greedy_ids()
+    assert greedy_ids(logit_bias={str(plain[0]): -100})[0] != plain[0]
+    forced = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, temperature=1.0, seed=3, logprobs=True,
+                                            logit_bias={"77": 100}, extra_body=as_ids)
+    assert [entry.token for entry in forced.choices[0].logprobs.content] == ["token_id:77"] * 5
+
+
 def test_stop_string_and_stop_reason(client):
     base = client.completions.create(model=MODEL_NAME, prompt=ids(6, 10), max_tokens=16, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text

@@ -72,7 +72,10 @@ CASES = [
     ("nested too deeply", COMPLETIONS, b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None, None),
     ("stream_options without stream", COMPLETIONS, completion(stream_options={"include_usage": True}), 400,
      "stream_options", None),
-    ("logit_bias", COMPLETIONS, completion(logit_bias={"5": 10}), 400, "logit_bias", None),
+    ("logit_bias above 100", COMPLETIONS, completion(logit_bias={"5": 101}), 400, "logit_bias", None),
+    ("logit_bias key not a token id", CHAT, chat(logit_bias={"hello": 1}), 400, "logit_bias", None),
+    ("logit_bias token out of vocabulary", COMPLETIONS, completion(logit_bias={"100000": 1}), 400, "logit_bias",
+     "invalid_request"),  # the engine's check
     ("suffix", COMPLETIONS, completion(suffix="tail"), 400, "suffix", None),
     ("empty cache_salt", COMPLETIONS, completion(cache_salt=""), 400, "cache_salt", None),
     ("unknown model", COMPLETIONS, completion(model="gpt-4o"), 404, "model", "model_not_found"),

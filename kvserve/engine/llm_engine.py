@@ -149,6 +149,10 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRejected(f"token id {bad} is out of vocabulary (0..{vocab - 1})", param="prompt")
+        bad = next((t for t in params.logit_bias or {} if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"logit_bias token id {bad} is out of vocabulary (0..{vocab - 1})",
+                                  param="logit_bias")
         if len(token_ids) > self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "

@@ -1,7 +1,8 @@
 """Turns the last-token logits of a batch into next tokens, one row per request, with its own parameters.
 
-Order, as in vLLM: penalties, then min_tokens (EOS banned), then temperature, top-k, top-p, min-p, then
-a draw. Logprobs are those of the raw model output (before any processing), as vLLM reports by default.
+Order, as in vLLM: logit bias, penalties, then min_tokens (EOS banned), then temperature, top-k, top-p,
+min-p, then a draw. Logprobs are those of the raw model output (before any processing), as vLLM reports by
+default.
 Rows are processed together (a step's cost does not grow by a sort and a vocabulary of noise per request), and
 each random row draws one uniform number, from its own generator when it has a seed, by inverse CDF: its
 tokens do not depend on what else is in the batch.
@@ -36,6 +37,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
     raw_logprobs = _raw_logprobs(logits, requests)
     if _needs_processing(requests):
         logits = logits.to(torch.float32, copy=True)
+        _apply_logit_bias(logits, requests)
         _apply_repetition_penalties(logits, requests)
         _apply_presence_and_frequency_penalties(logits, requests)
         _ban_eos_before_min_tokens(logits, requests)
@@ -47,7 +49,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
 def _needs_processing(requests: list[Request]) -> bool:
     for r in requests:
         p = r.sampling_params
-        if (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+        if (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
                 or r.num_output_tokens < p.min_tokens):
             return True
     return False
@@ -78,6 +80,22 @@ def _logprobs(raw_logprobs: torch.Tensor | None, token_ids: list[int], requests:
         k = requests[i].sampling_params.logprobs
         entries[i] = TokenLogprobs(token_ids[i], values[n], ranks[n], list(zip(top_ids[n][:k], top_values[n][:k])))
     return entries
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Each row's biases added to its logits, all rows in one indexed update."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    biases: list[float] = []
+    for row, request in enumerate(requests):
+        for token, bias in (request.sampling_params.logit_bias or {}).items():
+            rows.append(row)
+            tokens.append(token)
+            biases.append(bias)
+    if rows:
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] += torch.tensor(
+            biases, device=device)
 
 
 def _apply_repetition_penalties(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -26,6 +26,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to a token's logit before anything else
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,6 +35,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self._validate()
 
     def _validate(self) -> None:
@@ -55,6 +57,9 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        for token, bias in (self.logit_bias or {}).items():
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
     @property
     def greedy(self) -> bool:

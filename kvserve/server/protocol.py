@@ -51,7 +51,7 @@ class SamplingFields(StrictModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as vLLM does
-    logit_bias: dict[str, float] | None = None  # refused unless empty: not built
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     cache_salt: str | None = Field(None, min_length=1)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the last k prompt tokens
     priority: int = 0  # refused unless 0: the scheduler is fcfs / lpm, not priority

@@ -54,6 +54,7 @@ def build_sampling_params(request: SamplingFields, max_tokens: int, logprobs: in
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            logit_bias=_token_biases(request.logit_bias),
         )
     except ValueError as exc:
         message = str(exc)
@@ -63,10 +64,19 @@ def build_sampling_params(request: SamplingFields, max_tokens: int, logprobs: in
         raise bad_request(message, param=param) from None
 
 
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, so as strings."""
+    if not logit_bias:
+        return None
+    try:
+        return {int(token): bias for token, bias in logit_bias.items()}
+    except ValueError:
+        keys = [token for token in logit_bias if not token.strip().lstrip("-").isdigit()]
+        raise bad_request(f"logit_bias keys must be token ids, got {keys[0]!r}", param="logit_bias") from None
+
+
 def check_common_unsupported(request: SamplingFields) -> None:
     """OpenAI / vLLM fields kvserve declares but cannot honour: refused by name, never silently ignored."""
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported by kvserve yet", param="logit_bias")
     if request.priority != 0:
         raise bad_request("priority scheduling is not built (--scheduling-policy is fcfs or lpm); send priority 0",
                           param="priority")
