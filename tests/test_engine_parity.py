@@ -94,3 +94,30 @@ def test_portable_attention_path_matches_transformers(kind, references):
                            use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("engine_args", [{"num_gpu_blocks_override": 512},
+                                         {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 64}],
+                         ids=["one-batch", "chunked-and-preempted"])
+def test_prompt_logprobs_match_transformers(engine_args, tiny_model_dir):
+    """Every prompt token after the first is scored as transformers scores it, whatever chunking, preemption
+    (a recompute scores nothing twice) or a shared prefix (which is recomputed, not read from the cache) do."""
+    folder, hf_model = tiny_model_dir("llama")
+    prompts = make_prompts()
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=512, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, prompt_logprobs=2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            reference = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        entries = output.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        for position, entry in enumerate(entries[1:], start=1):
+            expected = reference[position - 1]
+            assert entry.token_id == prompt[position]
+            assert entry.logprob == pytest.approx(float(expected[prompt[position]]), abs=1e-4)
+            assert entry.rank == int((expected > expected[prompt[position]]).sum()) + 1
+            assert [token for token, _ in entry.top] == expected.topk(2).indices.tolist()
+    if engine_args["num_gpu_blocks_override"] == 40:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm)

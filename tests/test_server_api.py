@@ -5,7 +5,9 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
+import torch
 from server_harness import ALIAS, MAX_MODEL_LEN, MODEL_NAME
 
 from kvserve import __version__
@@ -89,6 +91,26 @@ def test_completion_logprobs_and_echo(client):
     echoed = client.completions.create(model=MODEL_NAME, prompt="Paged attention", max_tokens=3, temperature=0,
                                        echo=True)
     assert echoed.choices[0].text.startswith("Paged attention")
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, tiny_model_dir):
+    """What log-likelihood evaluations send (lm-eval's completions API): each prompt token after the first gets
+    transformers' logprob; the first has none."""
+    _, hf_model = tiny_model_dir("llama")
+    prompt = ids(4, 20)
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                    logprobs=2, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    scored = out.choices[0].logprobs
+    assert scored.tokens[:20] == [f"token_id:{t}" for t in prompt] and len(scored.tokens) == 23
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for position in range(1, 20):
+        assert scored.token_logprobs[position] == pytest.approx(float(reference[position - 1, prompt[position]]),
+                                                                abs=1e-4)
+    assert all(len(top) >= 2 for top in scored.top_logprobs[1:])
+    with pytest.raises(openai.BadRequestError, match="without streaming"):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=1, stream=True)
 
 
 def test_logit_bias_bans_and_forces_tokens(client):

@@ -18,11 +18,11 @@ from kvserve.cache.kv_storage import allocate_kv_storage
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.memory_profile import decode_gather_tokens
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, StepLogits
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.pool_sizing import PoolPlan, plan_kv_pool
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.sampler import sample
+from kvserve.engine.sampler import prompt_logprobs, sample
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.model.loader import LoadedModel, load_model
@@ -165,6 +165,8 @@ class LLMEngine:
         if params.n > 1 and params.seed is not None:
             # Each sibling draws differently, yet reproducibly.
             child_params = dataclasses.replace(params, seed=params.seed + index)
+        if index > 0 and params.prompt_logprobs is not None:
+            child_params = dataclasses.replace(child_params, prompt_logprobs=None)  # siblings share the prompt
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, stop=list(params.stop), skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
@@ -213,17 +215,28 @@ class LLMEngine:
         if not scheduler_output.scheduled:
             return []
         self.counters.num_steps += 1
-        sampling, logits = self.runner.execute(scheduler_output.scheduled)
+        step = self.runner.execute(scheduler_output.scheduled)
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
+        self._score_prompts(step)
         touched: dict[str, None] = {}
-        sampled = sample(logits, [item.request for item in sampling])
+        sampled = sample(step.logits, [item.request for item in step.sampling])
         now = time.monotonic()
-        for item, token in zip(sampling, sampled):
+        for item, token in zip(step.sampling, sampled):
             request = item.request
             self._append_token(request, token.token_id, token.logprobs, now)
             touched[self.child_parent[request.request_id]] = None
         return [self._output(parent_id) for parent_id in touched]
+
+    def _score_prompts(self, step: StepLogits) -> None:
+        row = 0
+        for span in step.prompt_spans:
+            request = span.request
+            first = span.first_position
+            next_tokens = request.prompt_token_ids[first + 1:first + 1 + span.num_positions]
+            logits = step.prompt_logits[row:row + span.num_positions]
+            request.prompt_logprobs += prompt_logprobs(logits, next_tokens, request.sampling_params.prompt_logprobs)
+            row += span.num_positions
 
     def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> None:
         request.append_output_token(token_id)
@@ -274,6 +287,7 @@ class LLMEngine:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
+            prompt_logprobs=first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None,
             arrival_time=first.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,

@@ -2,7 +2,8 @@
 
 Three passes bound a step's transient memory:
 - a prefill of the whole token budget (`--max-num-batched-tokens`) continuing the longest past a request can
-  have, which gathers that past from the cache, with logits for as many rows as can sample in one step;
+  have, which gathers that past from the cache, with logits for every token (a request with prompt logprobs
+  scores each one);
 - a decode step whose portable attention gathers its largest chunk of padded context (`decode_gather_tokens`);
 - the sampler over `--max-num-seqs` rows taking its costliest path (penalties, a whole-vocabulary top-p sort,
   logprobs).
@@ -70,11 +71,10 @@ def _prefill_forward(config: EngineConfig, loaded: LoadedModel, device: torch.de
         prefill=PrefillGroup([PrefillSegment(0, num_tokens, num_past, context_slots)], kernel_inputs=None),
     )
     positions = (torch.arange(num_tokens, device=device) + num_past) % loaded.config.max_position_embeddings
-    num_sampling = min(config.scheduler.max_num_seqs, num_tokens)
     loaded.model(
         torch.zeros(num_tokens, dtype=torch.long, device=device), positions,
         AttentionMetadata(query_start_loc=[0, num_tokens], num_computed_tokens=[num_past], paged=paged),
-        kv_caches=kv_caches, logits_indices=torch.arange(num_sampling, device=device),
+        kv_caches=kv_caches, logits_indices=torch.arange(num_tokens, device=device),
     )
 
 

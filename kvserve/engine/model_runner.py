@@ -7,15 +7,44 @@ once per step here and shared by every layer. It also decides, once, which CPU k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.cpu_kernels import cpu_kernels
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
+
+
+@dataclass(slots=True)
+class PromptSpan:
+    """Prompt positions [first_position, first_position + num_positions) of a request scored this step: the
+    logits at position p give the logprob of prompt token p + 1."""
+
+    request: Request
+    first_position: int
+    num_positions: int
+
+
+@dataclass(slots=True)
+class StepLogits:
+    sampling: list[ScheduledRequest]
+    logits: torch.Tensor  # [len(sampling), vocab]
+    prompt_spans: list[PromptSpan]
+    prompt_logits: torch.Tensor  # [sum of the spans' positions, vocab], in span order
+
+
+def _prompt_span(request: Request, start: int, end: int) -> PromptSpan | None:
+    """The positions of this step whose next prompt token is not scored yet (a recompute after preemption
+    skips what was scored before)."""
+    first = max(start, len(request.prompt_logprobs) - 1)
+    last = min(end, request.num_prompt_tokens - 1)
+    return PromptSpan(request, first, last - first) if first < last else None
 
 
 class ModelRunner:
@@ -40,18 +69,27 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """Runs one forward; returns the requests that sample this step and their logits [n, vocab]."""
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
+        """Runs one forward; returns the logits of the requests that sample this step and of the prompt
+        positions scored for prompt logprobs."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable otherwise
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[PromptSpan] = []
         for item in ordered:
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_new_tokens
+            if request.sampling_params.prompt_logprobs is not None:
+                span = _prompt_span(request, start, end)
+                if span is not None:
+                    prompt_spans.append(span)
+                    prompt_rows.extend(range(len(token_ids) + span.first_position - start,
+                                             len(token_ids) + span.first_position - start + span.num_positions))
             token_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slots(request.request_id, start, end))
@@ -64,9 +102,9 @@ class ModelRunner:
             torch.tensor(positions, device=self.device),
             metadata,
             kv_caches=self.kv_caches,
-            logits_indices=torch.tensor(logits_rows, device=self.device, dtype=torch.long),
+            logits_indices=torch.tensor(logits_rows + prompt_rows, device=self.device, dtype=torch.long),
         )
-        return sampling, logits
+        return StepLogits(sampling, logits[: len(sampling)], prompt_spans, logits[len(sampling):])
 
     def _slots(self, request_id: str, start: int, end: int) -> list[int]:
         table = self.kv_cache.get_block_table(request_id)

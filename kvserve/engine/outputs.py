@@ -58,6 +58,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With prompt_logprobs: one entry per prompt token, None for the first (complete once the prefill is done).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

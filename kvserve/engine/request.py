@@ -54,6 +54,8 @@ class Request:
     generator: torch.Generator | None = None  # a seeded request's own, made by the sampler on its first draw
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With prompt_logprobs: entry i scores prompt token i given the ones before it; the first has none (None).
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -61,6 +63,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,6 +24,7 @@ from kvserve.engine.request import Request, TokenLogprobs
 # a median of 7 tokens for top_p 0.95, 101 at the 90th percentile, 320 at most.
 TOP_P_CANDIDATES = (64, 1024)
 CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+PROMPT_LOGPROBS_SLICE = 256  # prompt rows log-softmaxed at once
 
 
 @dataclass(slots=True)
@@ -63,23 +64,37 @@ def _raw_logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
 
 def _logprobs(raw_logprobs: torch.Tensor | None, token_ids: list[int], requests: list[Request]
               ) -> list[TokenLogprobs | None]:
-    """The sampled token's logprob and rank, and the top-k, for the rows that asked (one host copy each)."""
+    """The sampled token's logprob and rank, and the top-k, for the rows that asked."""
     entries: list[TokenLogprobs | None] = [None] * len(requests)
     rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-    if not rows:
-        return entries
-    device = raw_logprobs.device
-    logprobs = raw_logprobs.index_select(0, torch.tensor(rows, device=device))
-    chosen = torch.tensor([token_ids[i] for i in rows], device=device).unsqueeze(1)
+    if rows:
+        logprobs = raw_logprobs.index_select(0, torch.tensor(rows, device=raw_logprobs.device))
+        found = _entries(logprobs, [token_ids[i] for i in rows], [requests[i].sampling_params.logprobs for i in rows])
+        for i, entry in zip(rows, found):
+            entries[i] = entry
+    return entries
+
+
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Row i's logprob of next_tokens[i] (the prompt token it predicts), rank and top-k; log-softmax in slices of
+    rows, since a long prompt chunk's [tokens, vocab] at once in fp32 would be large."""
+    entries: list[TokenLogprobs] = []
+    for start in range(0, len(next_tokens), PROMPT_LOGPROBS_SLICE):
+        rows = logits[start:start + PROMPT_LOGPROBS_SLICE]
+        logprobs = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+        entries += _entries(logprobs, next_tokens[start:start + PROMPT_LOGPROBS_SLICE], [num_top] * rows.shape[0])
+    return entries
+
+
+def _entries(logprobs: torch.Tensor, token_ids: list[int], num_tops: list[int]) -> list[TokenLogprobs]:
+    """Per row: the token's logprob, its rank, and the row's top num_tops[row] (one host copy each)."""
+    chosen = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
     values = logprobs.gather(1, chosen)
     ranks = ((logprobs > values).sum(dim=1) + 1).tolist()
-    most = max(requests[i].sampling_params.logprobs for i in rows)
-    top_values, top_ids = logprobs.topk(most, dim=1)
+    top_values, top_ids = logprobs.topk(max(num_tops), dim=1)
     top_values, top_ids, values = top_values.tolist(), top_ids.tolist(), values.squeeze(1).tolist()
-    for n, i in enumerate(rows):
-        k = requests[i].sampling_params.logprobs
-        entries[i] = TokenLogprobs(token_ids[i], values[n], ranks[n], list(zip(top_ids[n][:k], top_values[n][:k])))
-    return entries
+    return [TokenLogprobs(token_id, values[n], ranks[n], list(zip(top_ids[n][:k], top_values[n][:k])))
+            for n, (token_id, k) in enumerate(zip(token_ids, num_tops))]
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:

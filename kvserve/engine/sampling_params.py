@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's field)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to a token's logit before anything else
@@ -53,6 +54,8 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in 0..20, got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in 0..20, got {self.prompt_logprobs}"),
         ]
         for ok, message in checks:
             if not ok:

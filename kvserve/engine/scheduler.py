@@ -94,7 +94,7 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_waiting()
-            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            hit_blocks, num_hit_tokens = self._cached_prefix(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
                 return  # FCFS: nobody overtakes the request that does not fit
@@ -112,13 +112,18 @@ class Scheduler:
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
+    def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # every prompt position's logits are needed, and a cached prefix has none
+        return self.kv_cache.get_computed_blocks(request)
+
     def _next_waiting(self) -> Request:
         if self.config.scheduling_policy == "fcfs" or len(self.waiting) == 1:
             return self.waiting[0]
         head = self.waiting[0]
         if self._lpm_skips.get(head.request_id, 0) >= LPM_MAX_SKIPS:
             return head  # starvation bound
-        best = max(self.waiting, key=lambda r: self.kv_cache.get_computed_blocks(r)[1])
+        best = max(self.waiting, key=lambda r: self._cached_prefix(r)[1])
         if best is not head:
             self._lpm_skips[head.request_id] = self._lpm_skips.get(head.request_id, 0) + 1
         return best

@@ -96,6 +96,15 @@ def completion_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, initial
             "top_logprobs": top_logprobs}
 
 
+def echoed_prompt_logprobs(entries: list[TokenLogprobs | None], first_token_id: int, texts: TokenTexts,
+                           as_token_ids: bool) -> dict:
+    """The prompt's tokens in completion_logprobs' shape, for echo: the first token has no logprob (null)."""
+    first = texts.text(first_token_id, as_token_ids)
+    scored = completion_logprobs(entries[1:], texts, len(first), as_token_ids)
+    return {"text_offset": [0] + scored["text_offset"], "token_logprobs": [None] + scored["token_logprobs"],
+            "tokens": [first] + scored["tokens"], "top_logprobs": [None] + scored["top_logprobs"]}
+
+
 def chat_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, num_top: int, as_token_ids: bool) -> dict:
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": None}."""
     content = []

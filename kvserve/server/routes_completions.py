@@ -17,7 +17,7 @@ from kvserve.server.generation import (
     CLIENT_CLOSED_REQUEST, EngineJob, finished_outputs, merged_outputs, observe_finished,
     guarded_events, submit, usage_options,
 )
-from kvserve.server.logprobs import completion_logprobs
+from kvserve.server.logprobs import completion_logprobs, echoed_prompt_logprobs
 from kvserve.server.prompts import (
     Prompt, check_token_ids, resolve_max_tokens, split_completion_prompts, tokenize_completion_prompt, truncate_prompt,
 )
@@ -60,6 +60,10 @@ def _final_choices(ctx: ServerContext, body: CompletionRequest, job: EngineJob,
         for choice in final.outputs:
             logprobs = None if choice.logprobs is None else completion_logprobs(
                 choice.logprobs, ctx.token_texts, len(echo), body.return_tokens_as_token_ids)
+            if logprobs is not None and body.echo:
+                echoed = echoed_prompt_logprobs(final.prompt_logprobs, final.prompt_token_ids[0], ctx.token_texts,
+                                                body.return_tokens_as_token_ids)
+                logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
             choices.append(completion_choice(prompt_index * body.n + choice.index, echo + choice.text, logprobs,
                                              choice.finish_reason, choice.stop_reason))
     return choices
@@ -71,9 +75,8 @@ def check_unsupported(body: CompletionRequest) -> None:
         raise bad_request("suffix (fill-in-the-middle) is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported; leave it out or set it equal to n", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which kvserve does not compute yet",
-                          param="echo")
+    if body.echo and body.logprobs is not None and body.stream:
+        raise bad_request("echo with logprobs is served without streaming only", param="echo")
 
 
 def _tokenize(ctx: ServerContext, body: CompletionRequest) -> list[Prompt]:
@@ -91,7 +94,8 @@ def _tokenize(ctx: ServerContext, body: CompletionRequest) -> list[Prompt]:
 
 def _params(ctx: ServerContext, body: CompletionRequest, prompt: Prompt) -> SamplingParams:
     max_tokens = resolve_max_tokens(len(prompt.token_ids), body.max_tokens, ctx.max_model_len, "prompt")
-    return build_sampling_params(body, max_tokens, body.logprobs, ctx.sampling_defaults)
+    prompt_logprobs = body.logprobs if body.echo else None  # echo with logprobs scores the prompt too
+    return build_sampling_params(body, max_tokens, body.logprobs, ctx.sampling_defaults, prompt_logprobs)
 
 
 async def _events(request: Request, ctx: ServerContext, job: EngineJob, body: CompletionRequest, response_id: str,

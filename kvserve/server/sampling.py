@@ -30,7 +30,7 @@ def model_sampling_defaults(generation_config: dict[str, Any]) -> dict[str, floa
 
 
 def build_sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
-                          defaults: dict[str, float | int]) -> SamplingParams:
+                          defaults: dict[str, float | int], prompt_logprobs: int | None = None) -> SamplingParams:
     def pick(name: str) -> Any:
         value = getattr(request, name)
         return value if value is not None else defaults.get(name, FALLBACKS[name])
@@ -52,6 +52,7 @@ def build_sampling_params(request: SamplingFields, max_tokens: int, logprobs: in
             stop_token_ids=request.stop_token_ids or [],
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             logit_bias=_token_biases(request.logit_bias),
