@@ -94,21 +94,24 @@ def test_completion_logprobs_and_echo(client):
 
 
 def test_echo_with_logprobs_scores_the_prompt(client, tiny_model_dir):
-    """What log-likelihood evaluations send (lm-eval's completions API): each prompt token after the first gets
-    transformers' logprob; the first has none."""
+    """What log-likelihood evaluations send (lm-eval's local-completions: a batch of token-id prompts, echo,
+    logprobs 1, max_tokens 1): each prompt token after the first gets transformers' logprob; the first has none."""
     _, hf_model = tiny_model_dir("llama")
-    prompt = ids(4, 20)
-    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True,
-                                    logprobs=2, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-    scored = out.choices[0].logprobs
-    assert scored.tokens[:20] == [f"token_id:{t}" for t in prompt] and len(scored.tokens) == 23
-    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
-    with torch.no_grad():
-        reference = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    for position in range(1, 20):
-        assert scored.token_logprobs[position] == pytest.approx(float(reference[position - 1, prompt[position]]),
-                                                                abs=1e-4)
-    assert all(len(top) >= 2 for top in scored.top_logprobs[1:])
+    prompts = [ids(4, 20), ids(5, 9)]
+    out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=1, temperature=0, echo=True,
+                                    logprobs=1, seed=1234, extra_body={"return_tokens_as_token_ids": True})
+    for prompt, choice in zip(prompts, sorted(out.choices, key=lambda c: c.index)):
+        scored = choice.logprobs
+        assert scored.tokens[:-1] == [f"token_id:{t}" for t in prompt] and len(scored.tokens) == len(prompt) + 1
+        assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+        with torch.no_grad():
+            reference = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        for position in range(1, len(prompt)):
+            expected = reference[position - 1]
+            assert scored.token_logprobs[position] == pytest.approx(float(expected[prompt[position]]), abs=1e-4)
+            # lm-eval's greedy check: the token's logprob is the best of its top logprobs exactly when it is argmax
+            is_best = scored.token_logprobs[position] == max(scored.top_logprobs[position].values())
+            assert is_best == (int(expected.argmax()) == prompt[position])
     with pytest.raises(openai.BadRequestError, match="without streaming"):
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=1, stream=True)
 
