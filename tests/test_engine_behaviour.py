@@ -127,22 +127,29 @@ def test_random_add_abort_step_keeps_pool_invariants(tiny_model_dir, actions):
     llm = _small_pool_llm(folder)
     engine = llm.engine
     live: list[str] = []
+    finished = []
     for index, (action, value) in enumerate(actions):
         if action == "add":
             request_id = f"r{index}"
-            # Prompts drawn from few seeds so prefixes collide and the prefix cache is exercised.
-            engine.add_request(request_id, prompt(value % 4, 1 + value % 90),
-                               SamplingParams(temperature=0, max_tokens=1 + value % 20, ignore_eos=True))
+            # Prompts drawn from few seeds so prefixes collide and the prefix cache is exercised; some sampled,
+            # some scoring their prompt (which bypasses the cache and must survive preemption and chunking).
+            params = SamplingParams(temperature=0.8 if value % 3 == 0 else 0, top_p=0.9, max_tokens=1 + value % 20,
+                                    ignore_eos=True, prompt_logprobs=1 if value % 5 == 0 else None)
+            engine.add_request(request_id, prompt(value % 4, 1 + value % 90), params)
             live.append(request_id)
         elif action == "abort" and live:
             engine.abort_request(live.pop(value % len(live)))
         else:
-            engine.step()
+            finished += [o for o in engine.step() if o.finished]
         engine.kv_cache.check_invariants()
     while engine.has_unfinished_requests():
-        engine.step()
+        finished += [o for o in engine.step() if o.finished]
         engine.kv_cache.check_invariants()
     assert all_free(llm)
+    for output in finished:
+        if output.prompt_logprobs is not None and output.outputs[0].finish_reason != "abort":
+            assert len(output.prompt_logprobs) == len(output.prompt_token_ids)
+            assert [e.token_id for e in output.prompt_logprobs[1:]] == output.prompt_token_ids[1:]
 
 
 def _small_pool_llm(folder):
