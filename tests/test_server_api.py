@@ -116,6 +116,32 @@ def test_echo_with_logprobs_scores_the_prompt(client, tiny_model_dir):
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=1, stream=True)
 
 
+def test_vllm_prompt_logprobs_field_on_both_routes(server, tiny_model_dir):
+    """vLLM's extra: per prompt token, None first, then {token id: {logprob, rank, decoded_token}} holding the
+    prompt token and the top k; on a completion choice, at the top of a chat response."""
+    _, hf_model = tiny_model_dir("llama")
+    prompt = ids(6, 15)
+    body = httpx.post(f"{server.url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 3}, timeout=30).json()
+    scored = body["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for position in range(1, len(prompt)):
+        expected = reference[position - 1]
+        entry = scored[position][str(prompt[position])]
+        assert entry["logprob"] == pytest.approx(float(expected[prompt[position]]), abs=1e-4)
+        assert entry["rank"] == int((expected > expected[prompt[position]]).sum()) + 1
+        assert set(expected.topk(3).indices.tolist()) <= {int(k) for k in scored[position]}
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0},
+        timeout=30).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    streamed = httpx.post(f"{server.url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1, "stream": True}, timeout=30)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_logit_bias_bans_and_forces_tokens(client):
     as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
 

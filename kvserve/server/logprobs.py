@@ -105,6 +105,21 @@ def echoed_prompt_logprobs(entries: list[TokenLogprobs | None], first_token_id: 
             "tokens": [first] + scored["tokens"], "top_logprobs": [None] + scored["top_logprobs"]}
 
 
+def vllm_prompt_logprobs(entries: list[TokenLogprobs | None], texts: TokenTexts) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {"logprob", "rank",
+    "decoded_token"}} for the prompt token and the top k."""
+    result: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        scored = {token_id: (logprob, rank) for rank, (token_id, logprob) in enumerate(entry.top, start=1)}
+        scored[entry.token_id] = (entry.logprob, entry.rank)
+        result.append({str(token_id): {"logprob": finite(logprob), "rank": rank, "decoded_token": texts.text(token_id)}
+                       for token_id, (logprob, rank) in scored.items()})
+    return result
+
+
 def chat_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, num_top: int, as_token_ids: bool) -> dict:
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": None}."""
     content = []

@@ -57,6 +57,7 @@ class SamplingFields(StrictModel):
     priority: int = 0  # refused unless 0: the scheduler is fcfs / lpm, not priority
     request_id: str | None = None  # accepted for compatibility; responses carry the server's own id
     return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:<id>"
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: score the prompt, answered without streaming
     metadata: dict[str, Any] | None = None  # OpenAI bookkeeping fields: accepted and ignored
     store: bool | None = None
     service_tier: str | None = None

@@ -16,7 +16,7 @@ from kvserve.server.generation import (
     CLIENT_CLOSED_REQUEST, EngineJob, finished_outputs, merged_outputs, observe_finished,
     guarded_events, submit, usage_options,
 )
-from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from kvserve.server.prompts import Prompt, check_token_ids, render_chat, resolve_max_tokens, truncate_prompt
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.responses import (
@@ -50,7 +50,10 @@ async def create_chat_completion(request: Request) -> Response:
                     choice.stop_reason)
         for choice in final.outputs
     ]
-    return json_response(chat_body(response_id, created, model, choices, final_usage(finals, body.n).as_dict()))
+    response = chat_body(response_id, created, model, choices, final_usage(finals, body.n).as_dict())
+    if body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = vllm_prompt_logprobs(final.prompt_logprobs, ctx.token_texts)
+    return json_response(response)
 
 
 def check_unsupported(body: ChatCompletionRequest) -> None:

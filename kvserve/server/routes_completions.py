@@ -17,7 +17,7 @@ from kvserve.server.generation import (
     CLIENT_CLOSED_REQUEST, EngineJob, finished_outputs, merged_outputs, observe_finished,
     guarded_events, submit, usage_options,
 )
-from kvserve.server.logprobs import completion_logprobs, echoed_prompt_logprobs
+from kvserve.server.logprobs import completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
 from kvserve.server.prompts import (
     Prompt, check_token_ids, resolve_max_tokens, split_completion_prompts, tokenize_completion_prompt, truncate_prompt,
 )
@@ -66,6 +66,8 @@ def _final_choices(ctx: ServerContext, body: CompletionRequest, job: EngineJob,
                 logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
             choices.append(completion_choice(prompt_index * body.n + choice.index, echo + choice.text, logprobs,
                                              choice.finish_reason, choice.stop_reason))
+            if body.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(final.prompt_logprobs, ctx.token_texts)
     return choices
 
 

@@ -31,6 +31,7 @@ def model_sampling_defaults(generation_config: dict[str, Any]) -> dict[str, floa
 
 def build_sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
                           defaults: dict[str, float | int], prompt_logprobs: int | None = None) -> SamplingParams:
+    """prompt_logprobs: what the route needs scored (completions' echo with logprobs), else the request's own."""
     def pick(name: str) -> Any:
         value = getattr(request, name)
         return value if value is not None else defaults.get(name, FALLBACKS[name])
@@ -52,7 +53,7 @@ def build_sampling_params(request: SamplingFields, max_tokens: int, logprobs: in
             stop_token_ids=request.stop_token_ids or [],
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else request.prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             logit_bias=_token_biases(request.logit_bias),
@@ -81,5 +82,7 @@ def check_common_unsupported(request: SamplingFields) -> None:
     if request.priority != 0:
         raise bad_request("priority scheduling is not built (--scheduling-policy is fcfs or lpm); send priority 0",
                           param="priority")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs is served without streaming only", param="prompt_logprobs")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options can only be set when stream is true", param="stream_options")
