@@ -287,7 +287,7 @@ class LLMEngine:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
-            prompt_logprobs=first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None,
+            prompt_logprobs=first.prompt_logprobs if first.scores_prompt else None,
             arrival_time=first.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,

@@ -84,12 +84,11 @@ class ModelRunner:
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_new_tokens
-            if request.sampling_params.prompt_logprobs is not None:
-                span = _prompt_span(request, start, end)
-                if span is not None:
-                    prompt_spans.append(span)
-                    prompt_rows.extend(range(len(token_ids) + span.first_position - start,
-                                             len(token_ids) + span.first_position - start + span.num_positions))
+            span = _prompt_span(request, start, end) if request.scores_prompt else None
+            if span is not None:
+                prompt_spans.append(span)
+                first_row = len(token_ids) + span.first_position - start
+                prompt_rows.extend(range(first_row, first_row + span.num_positions))
             token_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slots(request.request_id, start, end))

@@ -63,8 +63,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.prompt_logprobs is not None:
+        if self.scores_prompt:
             self.prompt_logprobs = [None]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Asked for prompt logprobs: every prompt position's logits are needed."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

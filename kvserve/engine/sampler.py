@@ -108,9 +108,12 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
             tokens.append(token)
             biases.append(bias)
     if rows:
-        device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] += torch.tensor(
-            biases, device=device)
+        logits[_cells(rows, tokens, logits.device)] += torch.tensor(biases, device=logits.device)
+
+
+def _cells(rows: list[int], tokens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs as an index into [rows, vocab] logits, for one indexed update of a whole step."""
+    return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
 
 
 def _apply_repetition_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -149,9 +152,7 @@ def _apply_presence_and_frequency_penalties(logits: torch.Tensor, requests: list
                 tokens.append(token)
                 amounts.append(params.frequency_penalty * count + params.presence_penalty)
     if rows:
-        device = logits.device
-        index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
-        logits[index] -= torch.tensor(amounts, device=device)
+        logits[_cells(rows, tokens, logits.device)] -= torch.tensor(amounts, device=logits.device)
 
 
 def _ban_eos_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -167,8 +168,7 @@ def _ban_eos_before_min_tokens(logits: torch.Tensor, requests: list[Request]) ->
             rows.extend([row] * len(banned))
             tokens.extend(banned)
     if rows:
-        device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = float("-inf")
+        logits[_cells(rows, tokens, logits.device)] = float("-inf")
 
 
 def _draw(logits: torch.Tensor, requests: list[Request]) -> list[int]:

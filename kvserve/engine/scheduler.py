@@ -113,8 +113,8 @@ class Scheduler:
             budget -= num_new
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        if request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # every prompt position's logits are needed, and a cached prefix has none
+        if request.scores_prompt:
+            return [], 0  # a cached prefix has no logits to score
         return self.kv_cache.get_computed_blocks(request)
 
     def _next_waiting(self) -> Request:
