@@ -134,7 +134,9 @@ def test_shutdown_lets_running_finish_within_grace_then_aborts(engine, monkeypat
     real_step = engine.engine.step
 
     def slow_step():
-        time.sleep(0.01)  # 240 tokens take > 2 s, 5 tokens well under the grace period
+        # 240 tokens take 4.8 s or more, past the 2 s grace however fast the machine; 5 tokens leave 1.9 s to
+        # spare for a loaded one.
+        time.sleep(0.02)
         return real_step()
 
     monkeypatch.setattr(engine.engine, "step", slow_step)
@@ -144,7 +146,7 @@ def test_shutdown_lets_running_finish_within_grace_then_aborts(engine, monkeypat
         slow = engine.submit("slow", [5, 6], params(240))
         quick_outputs = asyncio.create_task(collect(quick))
         slow_outputs = asyncio.create_task(collect(slow))
-        await engine.shutdown(grace_period_s=0.5)
+        await engine.shutdown(grace_period_s=2.0)
         assert (await quick_outputs)[-1].finished
         with pytest.raises(EngineStoppedError):
             await slow_outputs

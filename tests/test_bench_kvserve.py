@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
-from server_harness import slowed, start_server
+from server_harness import slowed, start_server, wait_until
 
+from kvserve.bench.errors import BenchError
 from kvserve.bench.runner import BenchConfig, run_benchmark
 from kvserve.cli import main
 
@@ -97,8 +97,9 @@ def test_multi_turn_resends_history_with_the_actual_answers(server):
 
 def test_too_long_prompts_are_counted_as_400s_and_the_rest_measured(server):
     before = counters(server)
+    # Up to 570 + 7 tokens against max_model_len 512: sent anyway (--no-context-check) to measure the refusals.
     result = bench(server.url, workload="random", input_len=300, range_ratio=0.9, output_len=4,
-                   num_requests=16, max_concurrency=4)
+                   num_requests=16, max_concurrency=4, check_context=False)
     counted = deltas(before, counters(server))
     summary = result.summary
     assert set(summary.errors_by_kind) == {"http_400"}
@@ -108,20 +109,59 @@ def test_too_long_prompts_are_counted_as_400s_and_the_rest_measured(server):
     assert counted["vllm:prompt_tokens_total"] >= summary.prompt_tokens
 
 
+def test_the_console_shows_the_first_message_of_each_error_kind(server, capsys):
+    argv = ["bench", "--base-url", server.url, "--workload", "random", "--input-len", "300", "--range-ratio", "0.9",
+            "--output-len", "4", "--ignore-eos", "--num-requests", "16", "--max-concurrency", "4", "--no-metrics",
+            "--no-progress", "--no-context-check"]
+    assert main(argv) == 0
+    shown = capsys.readouterr().out
+    assert "errors: http_400" in shown
+    # The server's own words (the error body's message) beside the kind, cut to one sensible line
+    errors = shown[shown.index("first message"):shown.index("latency (ms)")]
+    assert "http_400" in errors and "maximum context length is 512" in " ".join(errors.split())
+
+
+def test_a_workload_longer_than_the_servers_context_is_refused_before_sending(server, tiny_model_dir, capsys):
+    folder, _ = tiny_model_dir("llama")
+    before = counters(server)
+    argv = ["bench", "--base-url", server.url, "--tokenizer", str(folder), "--workload", "shared-prefix",
+            "--system-prompt-len", "600", "--num-requests", "4", "--no-progress"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("kvserve bench: error: ")
+    for text in ("max_model_len of 512", "about 696 tokens (632 prompt + 64 output)", "--max-model-len",
+                 "--system-prompt-len", "--user-len", "--output-len"):
+        assert text in error
+    assert counters(server) == before  # nothing was sent (--tokenizer: no calibration probes either)
+    # A conversation is refused for its last turn, which resends the whole history (its first turn would fit):
+    # 300 system + 3 user turns of 64 + 2 answers of up to 64, then 64 out.
+    with pytest.raises(BenchError, match=r"about 684 tokens .*--num-turns"):
+        bench(server.url, workload="multi-turn", tokenizer=str(folder), system_prompt_len=300, user_len=64,
+              output_len=64, num_turns=3, num_sessions=2)
+    assert counters(server) == before
+
+
 def test_a_server_stopped_mid_run_is_reported(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     doomed = start_server(folder, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=512, shutdown_timeout_s=0.2)
     doomed.engine.engine.step = slowed(doomed.engine.engine.step, 0.02)
-    stopper = threading.Timer(1.5, doomed.stop)
+
+    def stop_after_two_waves() -> None:
+        # Stopped by progress, not after a fixed time, so a slow machine cannot finish nothing (or everything)
+        # first: 8 of the 40 requests done, 32 x 30 tokens at >= 20 ms a step still to come.
+        wait_until(lambda: doomed.engine.snapshot.stats.finished_by_reason.get("length", 0) >= 8, timeout_s=60)
+        doomed.stop()
+
+    stopper = threading.Thread(target=stop_after_two_waves)
     stopper.start()
-    started = time.perf_counter()
     try:
-        result = bench(doomed.url, workload="random", input_len=16, output_len=30, num_requests=40,
-                       max_concurrency=4, timeout_s=20, scrape_metrics=False)
+        # --tokenizer: no calibration probes, so the engine's finished requests are the run's own.
+        result = bench(doomed.url, workload="random", tokenizer=str(folder), input_len=16, output_len=30,
+                       num_requests=40, max_concurrency=4, timeout_s=20, scrape_metrics=False)
     finally:
         stopper.join()
     summary = result.summary
-    assert time.perf_counter() - started < 20
+    # No timeout among the errors: the stop failed the rest at once, none waited out its --timeout.
     assert summary.num_completed > 0 and summary.num_failed > 0
     assert set(summary.errors_by_kind) <= {"connection", "malformed_stream", "stream_error", "http_503"}
     assert summary.errors_by_kind.get("connection", 0) > 0

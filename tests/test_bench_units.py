@@ -20,6 +20,7 @@ from kvserve.bench.errors import BenchError
 from kvserve.bench.file_workload import FileWorkload
 from kvserve.bench.prompts import chat_messages, completion_prompt
 from kvserve.bench.records import RequestRecord
+from kvserve.bench.report import ERROR_MESSAGE_CHARS, one_line
 from kvserve.bench.sse import DONE, MalformedStream, parse_event_line
 from kvserve.bench.stats import Slo, distribution_ms, output_token_timeline, summarize
 from kvserve.bench.text import WordText
@@ -130,6 +131,12 @@ def record(ttft: float, e2e: float, chunks: list[float], ok: bool = True, kind: 
     return result
 
 
+def failed(kind: str, message: str, start_s: float) -> RequestRecord:
+    result = RequestRecord(0, 0, start_s=start_s, max_tokens=4)
+    result.fail(kind, message)
+    return result
+
+
 def test_summary_latencies_throughput_goodput_and_errors():
     records = [record(0.1, 0.5, [0.1, 0.3, 0.5]), record(0.2, 1.2, [0.2, 0.7, 1.2]),
                record(None, None, [], ok=False, kind="http_400"), record(None, None, [], ok=False, kind="timeout")]
@@ -143,6 +150,39 @@ def test_summary_latencies_throughput_goodput_and_errors():
     assert summary.total_token_throughput == (20 + 6) / 2
     assert summary.cached_tokens == 8 and summary.cache_hit_rate == 0.4
     assert summary.num_within_slo == 1 and summary.goodput == 0.5
+
+
+def test_each_error_kind_keeps_its_first_message_and_the_console_cuts_long_ones():
+    records = [failed("http_400", "second", 0.2), failed("http_400", "first", 0.1),
+               failed("connection", "ConnectError: refused", 0.3)]
+    summary = summarize(records, duration_s=1.0)
+    assert summary.first_error_by_kind == {"connection": "ConnectError: refused", "http_400": "first"}
+    assert one_line("a\n  multi-line\tmessage") == "a multi-line message"
+    cut = one_line("x" * 1000)
+    assert len(cut) == ERROR_MESSAGE_CHARS and cut.endswith("…")
+
+
+def test_longest_request_of_each_workload(tmp_path):
+    text = WordText(1.0)
+    assert SharedPrefixWorkload(text, 0, 100, 10, 20).longest_request().total_tokens == 130
+    # the last of 3 turns resends the system prompt, 3 user turns and 2 answers of up to 20 tokens
+    longest = MultiTurnWorkload(text, 0, num_turns=3, system_prompt_len=100, user_len=10,
+                                output_len=20).longest_request()
+    assert (longest.prompt_tokens, longest.max_output_tokens) == (100 + 3 * 10 + 2 * 20, 20)
+    random_workload = RandomWorkload(text, 0, input_len=100, output_len=20, range_ratio=0.5)
+    longest = random_workload.longest_request()
+    assert (longest.prompt_tokens, longest.max_output_tokens) == (150, 30) and "--range-ratio" in longest.flags
+    drawn = [random_workload.session(i).turns[0] for i in range(300)]
+    assert max(len(t.user_text.split()) for t in drawn) <= 150 and max(t.max_tokens for t in drawn) <= 30
+    assert PrefixRepetitionWorkload(text, 0, 10, 64, 16, 2, 8).longest_request().total_tokens == 88
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"prompt": "one two three", "max_tokens": 5}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c d"},
+                      {"role": "assistant", "content": "w x y"}, {"role": "user", "content": "e f"},
+                      {"role": "assistant", "content": "z"}]}) + "\n")
+    longest = FileWorkload(path, text).longest_request()
+    # the second turn: system 2 + users 4 + 2, the first answer's 3, then 1 out
+    assert (longest.prompt_tokens, longest.max_output_tokens) == (2 + 4 + 2 + 3, 1)
 
 
 def test_percentiles_match_numpy():

@@ -30,8 +30,8 @@ def first_token_logprobs(dtype: str, use_kernels: bool) -> list[dict[int, float]
     llm = LLM(None, dtype=dtype, device="cpu", kv_cache_memory=0.25, max_model_len=1024, max_num_batched_tokens=128,
               enable_prefix_caching=True)
     runner = llm.engine.runner
-    runner.use_prefill_kernel &= use_kernels
-    runner.use_cpu_kernel &= use_kernels
+    if not use_kernels:
+        runner.decode_kernel = runner.prefill_kernel = None
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1, logprobs=20), use_tqdm=False)
     return [dict(o.outputs[0].logprobs[0].top) for o in outputs]
 
@@ -46,7 +46,7 @@ def mean_error(got: list[dict[int, float]], reference: list[dict[int, float]]) -
 @pytest.mark.slow
 def test_bf16_kernels_are_as_close_to_fp32_as_the_portable_path():
     kernels = cpu_kernels()
-    if kernels is None or not kernels.has_prefill_attention():
+    if kernels is None or not kernels.has_prefill_attention_bf16():
         pytest.skip("the bf16 prefill kernel needs a compiler and a CPU with AVX512-BF16")
     reference = first_token_logprobs("float32", use_kernels=False)
     with_kernels = first_token_logprobs("bfloat16", use_kernels=True)

@@ -1,11 +1,22 @@
-"""The compiled CPU decode kernel and the portable torch path compute the same attention over a paged cache."""
+"""The compiled CPU kernels (every ISA family this CPU runs: AVX2 on an AVX-512 machine too) and the portable
+torch path compute the same attention over a paged cache."""
 
 import pytest
 import torch
 
 from kvserve.cache.kv_storage import LayerKVCache
-from kvserve.model.cpu_kernels import cpu_kernels
+from kvserve.model.cpu_isa import runnable_isas
+from kvserve.model.cpu_kernels import cpu_kernels, prefill_kernel
 from kvserve.model.paged_attention import DecodeGroup, _decode_portable
+
+FAMILIES = pytest.mark.parametrize("isa", runnable_isas(), ids=str)
+
+
+def kernels_for(isa):
+    kernels = cpu_kernels(isa)
+    if kernels is None:
+        pytest.skip(f"the CPU kernels for {isa} could not be built here")
+    return kernels
 
 
 class Spec:
@@ -29,10 +40,7 @@ def reference(q, cache, tables, lens, spec, block_size, window):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 2, 40)])
-@pytest.mark.parametrize("window", [None, 20])
-def test_kernel_and_portable_path_match_dense_attention(dtype, heads, kv_heads, head_dim, window):
+def decode_case(dtype, heads, kv_heads, head_dim, window):
     generator = torch.Generator().manual_seed(0)
     block_size, num_blocks, num_seqs = 16, 64, 5
     cache = LayerKVCache(
@@ -43,21 +51,39 @@ def test_kernel_and_portable_path_match_dense_attention(dtype, heads, kv_heads, 
     max_blocks = -(-int(lens.max()) // block_size)
     tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
     q = torch.randn(num_seqs, heads, head_dim, generator=generator).to(dtype)
+    return cache, tables, lens, q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 2, 40)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_portable_path_matches_dense_attention(dtype, heads, kv_heads, head_dim, window):
+    cache, tables, lens, q = decode_case(dtype, heads, kv_heads, head_dim, window)
+    num_seqs, block_size = q.shape[0], 16
     spec = Spec(heads, kv_heads, head_dim)
     expected = reference(q, cache, tables, lens, spec, block_size, window)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    group = DecodeGroup(tables, lens, int(lens.max()), block_size, window, use_kernel=False)
+    group = DecodeGroup(tables, lens, int(lens.max()), block_size, window)
     portable = _decode_portable(spec, q.view(num_seqs, -1), cache, group).float()
     assert (portable - expected).abs().max().item() < tolerance
     # A gather bound of 250 tokens takes two sequences of the 100-token context at a time (three chunks).
-    bounded = DecodeGroup(tables, lens, int(lens.max()), block_size, window, use_kernel=False, max_gather_tokens=250)
+    bounded = DecodeGroup(tables, lens, int(lens.max()), block_size, window, max_gather_tokens=250)
     assert bounded.rows_per_gather == 2
     assert torch.equal(_decode_portable(spec, q.view(num_seqs, -1), cache, bounded).float(), portable)
-    kernel = cpu_kernels()
-    if kernel is None:
-        pytest.skip("the CPU kernel could not be built here")
-    got = kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0)
-    assert (got.view(num_seqs, -1).float() - expected).abs().max().item() < tolerance
+
+
+@FAMILIES
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 2, 40)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_kernel_matches_dense_attention(isa, dtype, heads, kv_heads, head_dim, window):
+    kernels = kernels_for(isa)
+    cache, tables, lens, q = decode_case(dtype, heads, kv_heads, head_dim, window)
+    spec = Spec(heads, kv_heads, head_dim)
+    expected = reference(q, cache, tables, lens, spec, 16, window)
+    got = kernels.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (got.view(q.shape[0], -1).float() - expected).abs().max().item() < tolerance
 
 
 
@@ -89,24 +115,28 @@ PREFILL_CASES = {
     "MHA, head_dim 128": (4, 4, 128, [33, 260], [15, 0], None),
     "sliding window": (8, 2, 64, [100, 600], [0, 37], 50),
     "window inside a long past, head_dim 256": (8, 1, 256, [70], [300], 100),
+    "narrow heads (16), GQA 2": (4, 2, 16, [50, 3], [0, 280], None),
 }
 
 
+@FAMILIES
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_prefill_kernel_matches_dense_attention(case):
+def test_prefill_kernel_matches_dense_attention(isa, dtype, case):
     """All prefill segments of a step in one call, reading K/V through block tables; rows outside the segments
-    (the step's decodes) are left alone, and q may be a strided view of the fused qkv activation."""
-    kernel = cpu_kernels()
-    if kernel is None or not kernel.has_prefill_attention():
-        pytest.skip("the bf16 prefill kernel needs a compiler and a CPU with AVX512-BF16")
+    (the step's decodes) are left alone, and q may be a strided view of the fused qkv activation. bf16 runs
+    where the family has bf16 dot products (AVX512-BF16), fp32 on AVX2 and AVX-512."""
     heads, kv_heads, head_dim, lengths, pasts, window = PREFILL_CASES[case]
+    kernel = prefill_kernel(kernels_for(isa), dtype, head_dim)
+    if kernel is None:
+        pytest.skip(f"no {dtype} prefill kernel in the {isa} family")
     generator = torch.Generator().manual_seed(0)
     block_size, num_decode_rows = 16, 3
     blocks_per_seq = [-(-(n + p) // block_size) for n, p in zip(lengths, pasts)]
     num_blocks = sum(blocks_per_seq) + 4
     cache = LayerKVCache(
-        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).bfloat16(),
-        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).bfloat16(),
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
     )
     order = torch.randperm(num_blocks, generator=generator).tolist()
     tables, used = [], 0
@@ -116,25 +146,25 @@ def test_prefill_kernel_matches_dense_attention(case):
     starts = [num_decode_rows]
     for length in lengths:
         starts.append(starts[-1] + length)
-    qkv = torch.randn(starts[-1], (heads + 2 * kv_heads) * head_dim, generator=generator).bfloat16()
+    qkv = torch.randn(starts[-1], (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
     q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)
-    out = torch.full((starts[-1], heads * head_dim), 7.0, dtype=torch.bfloat16)
+    out = torch.full((starts[-1], heads * head_dim), 7.0, dtype=dtype)
     spec = Spec(heads, kv_heads, head_dim)
-    kernel.paged_prefill_attention(q, cache.key, cache.value, torch.tensor(tables), torch.tensor(starts),
-                                   torch.tensor(pasts), spec.scale, window or 0, out)
+    kernel(q, cache.key, cache.value, torch.tensor(tables), torch.tensor(starts), torch.tensor(pasts), spec.scale,
+           window or 0, out)
     expected = dense_prefill(q, cache, tables, starts, pasts, spec, block_size, window)
-    assert (out[num_decode_rows:].float() - expected).abs().max().item() < 3e-2
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (out[num_decode_rows:].float() - expected).abs().max().item() < tolerance
     assert (out[:num_decode_rows] == 7.0).all()
 
 
+@FAMILIES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 600])
-def test_decode_kernel_splits_few_long_contexts_and_merges_them(dtype, window):
+def test_decode_kernel_splits_few_long_contexts_and_merges_them(isa, dtype, window):
     """One or two sequences with long contexts: too few (sequence, KV head) tasks for the threads, so each
     context is cut into parts whose partial softmax sums are merged. The result is the same attention."""
-    kernel = cpu_kernels()
-    if kernel is None:
-        pytest.skip("the CPU kernel could not be built here")
+    kernel = kernels_for(isa)
     generator = torch.Generator().manual_seed(1)
     block_size, num_blocks, heads, kv_heads, head_dim = 16, 200, 8, 1, 64
     cache = LayerKVCache(

@@ -105,12 +105,67 @@ def test_gemma_plan_reports_window_aware_reference(capsys):
      (["--gpu", "L4", "--max-num-seqs", "-4"], "must be positive"),
      (["--gpu", "L4", "--max-model-len", "10M"], "exceeds"),
      (["--gpu", "L4", "--max-model-len", "lots"], "token count"),
-     (["--gpu-memory", "-3"], "positive"), ([], "--gpu"),
+     (["--gpu-memory", "-3"], "positive"), (["--max-model-len", "10M"], "exceeds"),
      (["--gpu", "L4", "--gpu-memory-utilization", "1.5"], "utilization")],
 )
 def test_bad_input_is_a_clear_error(capsys, extra, message):
     assert main(["plan", "--model", "Qwen/Qwen2.5-7B-Instruct"] + extra) == 2
     assert message in capsys.readouterr().err
+
+
+def _row(out: str, first_cell: str) -> str:
+    """The first line of the console table row that starts with first_cell."""
+    return next(line for line in out.splitlines() if line.lstrip("│┃ ").startswith(first_cell))
+
+
+def test_without_a_gpu_the_models_own_figures_and_what_a_gpu_adds(capsys):
+    assert main(["plan", "--model", "Qwen/Qwen2.5-14B-Instruct"]) == 0
+    out = capsys.readouterr().out
+    assert "max-model-len 32,768" in out  # the model's max_position_embeddings
+    assert "27.51 GiB" in _row(out, "Weights per GPU") and "× 2 B (bfloat16)" in out
+    # KV per token and one request of 32,768 tokens, per KV dtype
+    assert "192 KiB" in _row(out, "auto (bfloat16)") and "6 GiB" in _row(out, "auto (bfloat16)")
+    assert "96 KiB" in _row(out, "fp8 (fp8_e4m3)") and "3 GiB" in _row(out, "fp8 (fp8_e4m3)")
+    assert "99,840 B" in _row(out, "int8") and "3.05 GiB" in _row(out, "int8")
+    assert "54 KiB" in _row(out, "int4") and "1.69 GiB" in _row(out, "int4")
+    assert "2 (K,V) × 48 layers × 8 KV heads × 128 × 2 B = 192 KiB" in out
+    hint = " ".join(out[out.index("No GPU given"):].split())
+    for text in ("--gpu NAME", "--gpu-memory GIB", "KV pool", "how many requests fit", "verdict"):
+        assert text in hint
+    assert "OOM pre-check" not in out and "FITS" not in out  # no verdict without memory to fit in
+
+
+def test_without_a_gpu_as_json_matches_the_plan_with_one(capsys):
+    model = ["plan", "--model", "Qwen/Qwen2.5-14B-Instruct", "--max-model-len", "8192", "--avg-context-len", "1000"]
+    alone = _run_json(capsys, model)
+    assert alone["gpu"] is None and "verdict" not in alone and "--gpu NAME" in alone["with_gpu"]
+    assert alone["inputs"]["max_model_len"] == 8192 and alone["model"]["max_position_embeddings"] == 32768
+    by_dtype = {row["kv_cache_dtype"]: row for row in alone["kv_cache_dtypes"]}
+    assert list(by_dtype) == ["auto", "fp8", "int8", "int4"]
+    assert [row["kv_bytes_per_token"] for row in by_dtype.values()] == [196_608, 98_304, 99_840, 55_296]
+    for row in by_dtype.values():
+        assert row["kv_bytes_per_request_at_max_model_len"] == 8192 * row["kv_bytes_per_token"]
+        assert row["kv_bytes_per_request_at_avg_context_len"] == 1008 * row["kv_bytes_per_token"]  # whole blocks
+    # The same figures a plan on a GPU shows, in every KV dtype
+    for dtype, row in by_dtype.items():
+        plan = _run_json(capsys, model + ["--gpu", "A100-80GB", "--kv-cache-dtype", dtype])
+        assert plan["kv_bytes_per_token"] == row["kv_bytes_per_token"]
+        assert plan["figures"]["kv_per_request"]["value"] == row["kv_bytes_per_request_at_max_model_len"]
+        assert plan["weights_bytes_per_gpu"] == alone["weights_bytes_per_gpu"] == 29_540_067_328
+
+
+def test_without_a_gpu_flags_still_flow_through(capsys):
+    result = _run_json(capsys, ["plan", "--model", "meta-llama/Llama-3.1-70B-Instruct", "-tp", "4",
+                                "--kv-cache-dtype", "fp8_e5m2"])
+    rows = {row["kv_cache_dtype"]: row for row in result["kv_cache_dtypes"]}
+    assert rows["auto"]["kv_bytes_per_token"] == 327_680 // 4  # per GPU: 2 of the 8 KV heads
+    assert rows["fp8_e5m2"]["kv_bytes_per_token"] == 327_680 // 4 // 2  # asked for, so shown too
+    assert result["weights_bytes_per_gpu"] < result["weights_bytes_total"] // 3
+
+
+def test_without_a_gpu_check_has_no_verdict_to_check(capsys):
+    assert main(["plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--check"]) == 2
+    assert "--check needs --gpu NAME or --gpu-memory GIB" in capsys.readouterr().err
 
 
 def test_model_is_required(capsys):

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 import torch
+from logprob_checks import LOGPROB_TOLERANCE, assert_rank_matches, rank_range, tokens_surely_in_top
 from server_harness import ALIAS, MAX_MODEL_LEN, MODEL_NAME
 
 from kvserve import __version__
@@ -108,10 +109,13 @@ def test_echo_with_logprobs_scores_the_prompt(client, tiny_model_dir):
             reference = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
         for position in range(1, len(prompt)):
             expected = reference[position - 1]
-            assert scored.token_logprobs[position] == pytest.approx(float(expected[prompt[position]]), abs=1e-4)
+            assert scored.token_logprobs[position] == pytest.approx(float(expected[prompt[position]]),
+                                                                    abs=LOGPROB_TOLERANCE)
             # lm-eval's greedy check: the token's logprob is the best of its top logprobs exactly when it is argmax
+            # (up to a near-tie with the runner-up, which two fp32 computations may break either way)
             is_best = scored.token_logprobs[position] == max(scored.top_logprobs[position].values())
-            assert is_best == (int(expected.argmax()) == prompt[position])
+            best_rank, worst_rank = rank_range(expected, prompt[position])
+            assert (best_rank == 1) if is_best else (worst_rank > 1)
     with pytest.raises(openai.BadRequestError, match="without streaming"):
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=1, stream=True)
 
@@ -130,9 +134,14 @@ def test_vllm_prompt_logprobs_field_on_both_routes(server, tiny_model_dir):
     for position in range(1, len(prompt)):
         expected = reference[position - 1]
         entry = scored[position][str(prompt[position])]
-        assert entry["logprob"] == pytest.approx(float(expected[prompt[position]]), abs=1e-4)
-        assert entry["rank"] == int((expected > expected[prompt[position]]).sum()) + 1
-        assert set(expected.topk(3).indices.tolist()) <= {int(k) for k in scored[position]}
+        assert entry["logprob"] == pytest.approx(float(expected[prompt[position]]), abs=LOGPROB_TOLERANCE)
+        # Every listed token (the prompt token and the top 3) at a rank the reference allows up to near-ties;
+        # the tokens no near-tie can push out of the top 3 are all there, and at most the prompt token besides.
+        listed = {int(token): value for token, value in scored[position].items()}
+        for token, value in listed.items():
+            assert value["logprob"] == pytest.approx(float(expected[token]), abs=LOGPROB_TOLERANCE)
+            assert_rank_matches(value["rank"], expected, token)
+        assert tokens_surely_in_top(expected, 3) <= set(listed) and len(listed) <= 4
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={
         "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0},
         timeout=30).json()

@@ -3,7 +3,7 @@ guards /v1, draining refuses new work."""
 
 import asyncio
 import json
-import threading
+import socket
 
 import httpx
 import pytest
@@ -155,23 +155,42 @@ def test_api_key_guards_v1_only(tiny_model_dir):
 
         with pytest.raises(openai.AuthenticationError):
             running.openai(api_key="wrong").models.list()
+        assert_auth_scheme_is_case_insensitive(running)
     finally:
         running.stop()
 
 
-def test_http_stays_responsive_while_the_engine_works(server, slow_steps):
-    """The engine steps in its own thread: /health answers quickly in the middle of generation."""
-    done = threading.Event()
+def assert_auth_scheme_is_case_insensitive(running) -> None:
+    """HTTP auth schemes are case-insensitive (RFC 7235): any case of `Bearer`, any whitespace after it; the key
+    itself must match exactly."""
+    url = f"{running.url}/v1/models"
+    for header in ("bearer sekret", "BEARER sekret", "bEaReR sekret", "Bearer   sekret", "bearer\tsekret"):
+        assert httpx.get(url, headers={"Authorization": header}).status_code == 200, header
+    for header in ("bearer Sekret", "bearer sekret2", "Basic sekret", "Bearersekret", "sekret", "bearer"):
+        assert_envelope(httpx.get(url, headers={"Authorization": header}), 401)
+    # Whitespace around the value, which an HTTP client library will not send: written on the socket by hand.
+    host, port = running.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(b"GET /v1/models HTTP/1.1\r\nHost: test\r\nAuthorization: \t bearer  sekret \t\r\n"
+                           b"Connection: close\r\n\r\n")
+        reply = b""
+        while chunk := connection.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
 
-    def long_request():
-        httpx.post(f"{server.url}/v1/completions", json={**LONG, "max_tokens": 200}, timeout=60)
-        done.set()
 
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    assert wait_until(lambda: server.metrics()["vllm:num_requests_running"] == 1, timeout_s=5)
-    for _ in range(5):
-        response = httpx.get(f"{server.url}/health", timeout=1.0)
-        assert response.status_code == 200 and response.elapsed.total_seconds() < 0.5
-    assert not done.is_set()
-    thread.join(timeout=30)
+def test_http_stays_responsive_while_the_engine_works(server, monkeypatch):
+    """The engine steps in its own thread: /health answers in the middle of a generation, while that request is
+    still running (its 240 steps of at least 50 ms make it last 12 s or more; the test disconnects long before)."""
+    monkeypatch.setattr(server.engine.engine, "step", slowed(server.engine.engine.step, 0.05))
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
+            lines = response.iter_lines()  # kept: a discarded iterator closes the stream, which aborts it
+            assert next(lines).startswith("data: ")
+            # The first token can reach us before the engine thread publishes its snapshot.
+            assert wait_until(lambda: server.metrics()["vllm:num_requests_running"] == 1, timeout_s=5)
+            for _ in range(5):
+                assert client.get("/health").status_code == 200
+                assert server.metrics()["vllm:num_requests_running"] == 1  # answered mid-generation
+        # Leaving the block disconnects: the request is aborted, not waited for.
+    assert wait_until(lambda: engine_idle_and_blocks_free(server), timeout_s=5)

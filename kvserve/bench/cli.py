@@ -51,6 +51,9 @@ def add_target_arguments(group) -> None:
                        help='merged into every request, e.g. \'{"cache_prompt": false}\' for llama-server')
     group.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it counts as "
                        "a timeout")
+    group.add_argument("--no-context-check", action="store_true",
+                       help="send the workload even if its longest request exceeds the server's max_model_len "
+                            "(to measure the server's refusals); by default the run is refused before it starts")
 
 
 def add_load_arguments(group) -> None:
@@ -114,6 +117,7 @@ def config_from_args(args: argparse.Namespace):
         api_key=args.api_key, tokenizer=args.tokenizer, seed=args.seed, num_requests=num_requests,
         duration_s=args.duration, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, warmup=args.warmup, timeout_s=args.timeout,
+        check_context=not args.no_context_check,
         ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=args.extra_body,
         system_prompt_len=args.system_prompt_len, user_len=args.user_len, input_len=args.input_len,
         output_len=args.output_len, range_ratio=args.range_ratio, prefix_len=args.prefix_len,

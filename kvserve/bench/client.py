@@ -97,13 +97,17 @@ async def _stream(http: httpx.AsyncClient, target: Target, body: dict, record: R
 
 
 def error_message(response: httpx.Response) -> str:
-    """The message of an OpenAI error envelope, else the start of the body."""
+    """The message of an OpenAI error envelope (or of vLLM's older flat one, {"object": "error", "message"}),
+    else the start of the body."""
     try:
-        error = response.json().get("error")
+        body = response.json()
+        error = body.get("error")
         if isinstance(error, dict) and error.get("message"):
             return str(error["message"])
         if isinstance(error, str):
             return error
+        if isinstance(body.get("message"), str) and body["message"]:
+            return body["message"]
     except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
         pass
     return response.text[:200] or response.reason_phrase

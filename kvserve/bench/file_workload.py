@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.bench.errors import BenchError
-from kvserve.bench.sessions import Session, Turn
+from kvserve.bench.sessions import RequestSize, Session, Turn, conversation_turn_size
 from kvserve.bench.text import TextMaker
 
 DEFAULT_OUTPUT_LEN = 128
@@ -42,6 +42,12 @@ class FileWorkload:
 
     def describe(self) -> dict:
         return {"workload": f"file:{self.path}", "entries": len(self.entries), "output_len": self.output_len}
+
+    def longest_request(self) -> RequestSize:
+        sizes = [conversation_turn_size(entry, turn_index, self.text.count_tokens)
+                 for entry in self.entries for turn_index in range(len(entry.turns))]
+        prompt, output = max(sizes, key=sum)
+        return RequestSize(prompt, output, f"--output-len, or shorter entries in {self.path}")
 
 
 def read_entries(path: Path, text: TextMaker, output_len: int | None) -> tuple[list[Session], bool]:

@@ -115,18 +115,19 @@ class LoadGenerator:
     async def _open_loop(self, shape: LoadShape, budget: RequestBudget, indices) -> None:
         gate = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency else None
         tasks: list[asyncio.Task] = []
-        async for _ in arrivals(shape.request_rate, shape.burstiness, self.seed):
+        async for due in arrivals(shape.request_rate, shape.burstiness, self.seed):
             session = self.workload.session(next(indices))
             num_turns = budget.reserve(len(session.turns))
             if num_turns == 0:
                 break
-            tasks.append(asyncio.create_task(self._session(session, num_turns, budget, gate)))
+            scheduled_s = due - self.started_at
+            tasks.append(asyncio.create_task(self._session(session, num_turns, budget, gate, scheduled_s)))
             if budget.exhausted():
                 break  # rather than wait for one more arrival that would not be sent
         await asyncio.gather(*tasks)
 
     async def _session(self, session: Session, num_turns: int, budget: RequestBudget,
-                       gate: asyncio.Semaphore | None) -> None:
+                       gate: asyncio.Semaphore | None, scheduled_s: float | None = None) -> None:
         replies: list[str] = []
         for turn_index in range(num_turns):
             turn = session.turns[turn_index]
@@ -135,16 +136,17 @@ class LoadGenerator:
             if budget.expired():
                 return
             async with gate or contextlib.nullcontext():
-                record = await self._send(session, turn_index, replies)
+                record = await self._send(session, turn_index, replies, scheduled_s if turn_index == 0 else None)
             if not record.ok:
                 return  # a conversation cannot go on without the answer it would resend
             replies.append(record.output_text)
 
-    async def _send(self, session: Session, turn_index: int, replies: list[str]) -> RequestRecord:
+    async def _send(self, session: Session, turn_index: int, replies: list[str],
+                    scheduled_s: float | None) -> RequestRecord:
         render = chat_messages if self.target.endpoint == CHAT else completion_prompt
         payload = render(session, turn_index, replies)
         record = RequestRecord(session.index, turn_index, time.perf_counter() - self.started_at,
-                               session.turns[turn_index].max_tokens)
+                               session.turns[turn_index].max_tokens, scheduled_s=scheduled_s)
         await send_request(self.http, self.target, record, payload, self.timeout_s)
         self.records.append(record)
         if self.on_record is not None:

@@ -18,6 +18,10 @@ class RequestRecord:
     turn_index: int
     start_s: float  # when it was sent, seconds since the measured run started
     max_tokens: int
+    # Open loop: when the arrival process scheduled this request, on start_s's clock; start_s is later when the
+    # client ran late or --max-concurrency held it back. None in a closed loop and for a session's later turns
+    # (they follow the previous answer, not the schedule).
+    scheduled_s: float | None = None
     ok: bool = False
     error_kind: str | None = None
     error_message: str | None = None

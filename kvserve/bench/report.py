@@ -15,6 +15,7 @@ from kvserve.bench.stats import Distribution
 
 FORMAT_VERSION = 1
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E latency"))
+ERROR_MESSAGE_CHARS = 200  # enough for a server's sentence; a stack trace or an HTML page is cut
 
 
 def result_dict(result: BenchResult) -> dict:
@@ -94,6 +95,26 @@ def throughput_table(result: BenchResult) -> Table:
     return table
 
 
+def one_line(text: str, limit: int = ERROR_MESSAGE_CHARS) -> str:
+    """A message as one line of at most `limit` characters (whitespace and newlines collapsed)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
+
+
+def errors_table(summary) -> Table | None:
+    """What went wrong, not only how often: each kind's first message (the HTTP error body's message, the
+    exception's text otherwise)."""
+    if not summary.errors_by_kind:
+        return None
+    table = Table(title="errors (first message of each kind)", title_justify="left")
+    table.add_column("kind", style="red", no_wrap=True)
+    table.add_column("requests", justify="right")
+    table.add_column("first message", overflow="fold")
+    for kind, count in summary.errors_by_kind.items():
+        table.add_row(kind, str(count), one_line(summary.first_error_by_kind.get(kind) or "-"))
+    return table
+
+
 def server_table(result: BenchResult) -> Table | None:
     server = result.server
     if server is None:
@@ -115,6 +136,9 @@ def server_table(result: BenchResult) -> Table | None:
 
 def print_report(result: BenchResult, console: Console) -> None:
     console.print(throughput_table(result))
+    errors = errors_table(result.summary)
+    if errors is not None:
+        console.print(errors)
     console.print(latency_table(result.summary))
     table = server_table(result)
     if table is not None:

@@ -21,7 +21,7 @@ from kvserve.bench.loadgen import LoadGenerator, LoadShape
 from kvserve.bench.metrics_scrape import GaugePoller, ServerView, scrape, server_view
 from kvserve.bench.progress import LiveProgress
 from kvserve.bench.records import RequestRecord
-from kvserve.bench.server_info import served_model
+from kvserve.bench.server_info import check_fits_context, served_model
 from kvserve.bench.sessions import WORKLOADS, Workload
 from kvserve.bench.stats import Slo, Summary, summarize
 from kvserve.bench.text import TextMaker, WordText, load_tokenizer
@@ -49,6 +49,7 @@ class BenchConfig:
     max_concurrency: int | None = None
     warmup: int = 0
     timeout_s: float = 600.0
+    check_context: bool = True  # refuse a workload longer than the server's max_model_len
     # sampling
     ignore_eos: bool = False
     temperature: float | None = 0.0
@@ -102,6 +103,8 @@ async def run_benchmark_async(config: BenchConfig, console: Console) -> BenchRes
                         dict(config.extra_body))
         text, length_source = await text_maker(http, target, config, notes)
         workload = build_workload(config, text)
+        if config.check_context:
+            check_fits_context(model, workload.longest_request())
         target.endpoint = choose_endpoint(config.endpoint, workload)
         shape = load_shape(config, workload)
         generator = LoadGenerator(http, target, workload, config.timeout_s, config.seed)

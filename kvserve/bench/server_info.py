@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvserve.bench.errors import BenchError
+from kvserve.bench.sessions import RequestSize
 
 
 @dataclass(slots=True)
@@ -34,3 +35,17 @@ async def served_model(http: httpx.AsyncClient, base_url: str, api_key: str | No
     if card is None:
         return ServedModel(wanted, None)
     return ServedModel(card["id"], card.get("max_model_len"))
+
+
+def check_fits_context(model: ServedModel, longest: RequestSize) -> None:
+    """Refuses a workload whose longest request the server would reject (400, context length exceeded), before
+    anything is sent; a server that does not say its max_model_len is not checked."""
+    limit = model.max_model_len
+    if limit is None or longest.total_tokens <= limit:
+        return
+    raise BenchError(
+        f"the workload's longest request needs about {longest.total_tokens:,} tokens ({longest.prompt_tokens:,} "
+        f"prompt + {longest.max_output_tokens:,} output), more than the server's max_model_len of {limit:,} for "
+        f"{model.name}: start the server with a larger --max-model-len, or shorten the workload "
+        f"({longest.flags}); --no-context-check sends it anyway"
+    )

@@ -27,6 +27,20 @@ class Session:
     system_prompt: str | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class RequestSize:
+    """A workload's longest request, in tokens as the workload sizes its text (the few tokens a chat template or
+    a transcript's separators add are not counted, so a limit is only enforced where it is surely exceeded)."""
+
+    prompt_tokens: int
+    max_output_tokens: int
+    flags: str  # the bench's flags that set these lengths, for a message that says what to change
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.max_output_tokens
+
+
 class Workload(Protocol):
     name: str
     prefers_chat: bool  # --endpoint auto: chat for conversations, completions for single prompts
@@ -36,6 +50,20 @@ class Workload(Protocol):
         ...
 
     def describe(self) -> dict: ...
+
+    def longest_request(self) -> RequestSize:
+        """Prompt plus max output of the longest request any session sends (a conversation's last turn)."""
+        ...
+
+
+def conversation_turn_size(session: Session, turn_index: int, count_tokens) -> tuple[int, int]:
+    """(prompt tokens, max output tokens) of one turn: the system prompt, every user turn so far and the answers
+    before it at their max_tokens, the most they can be."""
+    turns = session.turns[: turn_index + 1]
+    prompt = count_tokens(session.system_prompt) if session.system_prompt else 0
+    prompt += sum(count_tokens(turn.user_text) for turn in turns)
+    prompt += sum(turn.max_tokens for turn in turns[:-1])
+    return prompt, turns[-1].max_tokens
 
 
 def session_rng(seed: int, workload: str, index: int | str) -> random.Random:

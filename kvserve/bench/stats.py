@@ -55,6 +55,7 @@ class Summary:
     num_completed: int
     num_failed: int
     errors_by_kind: dict[str, int]
+    first_error_by_kind: dict[str, str]  # the message of each kind's first request, the one to read first
     duration_s: float
     request_throughput: float  # completed requests / s
     output_token_throughput: float  # completion tokens of completed requests / s
@@ -83,7 +84,8 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None =
     per_second = (lambda amount: amount / duration_s) if duration_s > 0 else (lambda amount: 0.0)
     summary = Summary(
         num_sent=len(records), num_completed=len(completed), num_failed=len(records) - len(completed),
-        errors_by_kind=dict(sorted(errors.items())), duration_s=duration_s,
+        errors_by_kind=dict(sorted(errors.items())), first_error_by_kind=first_errors(records),
+        duration_s=duration_s,
         request_throughput=per_second(len(completed)), output_token_throughput=per_second(completion_tokens),
         total_token_throughput=per_second(prompt_tokens + completion_tokens),
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached,
@@ -98,6 +100,14 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None =
         summary.num_within_slo = sum(slo.met_by(r) for r in records)
         summary.goodput = per_second(summary.num_within_slo)
     return summary
+
+
+def first_errors(records: list[RequestRecord]) -> dict[str, str]:
+    """Per error kind, the message of the earliest sent request that failed so (by kind, as errors_by_kind)."""
+    first: dict[str, RequestRecord] = {}
+    for record in sorted((r for r in records if not r.ok), key=lambda r: r.start_s):
+        first.setdefault(record.error_kind or "unknown", record)
+    return {kind: first[kind].error_message or "" for kind in sorted(first)}
 
 
 def output_token_timeline(records: list[RequestRecord], bin_s: float = 1.0) -> list[tuple[float, float]]:

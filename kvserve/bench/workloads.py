@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.bench.sessions import Session, Turn, session_rng
+from kvserve.bench.sessions import RequestSize, Session, Turn, session_rng
 from kvserve.bench.text import TextMaker
 
 
@@ -31,6 +31,10 @@ class SharedPrefixWorkload:
     def describe(self) -> dict:
         return {"workload": self.name, "system_prompt_len": self.system_prompt_len, "user_len": self.user_len,
                 "output_len": self.output_len}
+
+    def longest_request(self) -> RequestSize:
+        return RequestSize(self.system_prompt_len + self.user_len, self.output_len,
+                           "--system-prompt-len, --user-len, --output-len")
 
 
 @dataclass(slots=True)
@@ -72,11 +76,22 @@ class MultiTurnWorkload:
                 "user_len": self.user_len, "output_len": self.output_len, "think_time_s": self.think_time_s,
                 "idle_gap_s": self.idle_gap_s, "idle_gap_every": self.idle_gap_every}
 
+    def longest_request(self) -> RequestSize:
+        # The last turn resends the system prompt, every user turn and every earlier answer (at most output_len).
+        prompt = self.system_prompt_len + self.num_turns * self.user_len + (self.num_turns - 1) * self.output_len
+        return RequestSize(prompt, self.output_len, "--system-prompt-len, --user-len, --output-len, --num-turns")
+
 
 def length_in_range(rng, length: int, range_ratio: float) -> int:
     """vLLM's --random-range-ratio: uniform in [length * (1 - r), length * (1 + r)]."""
     low, high = int(length * (1 - range_ratio)), int(length * (1 + range_ratio))
     return max(1, rng.randint(low, max(low, high)))
+
+
+def longest_in_range(length: int, range_ratio: float) -> int:
+    """The most length_in_range can draw."""
+    low, high = int(length * (1 - range_ratio)), int(length * (1 + range_ratio))
+    return max(1, low, high)
 
 
 @dataclass(slots=True)
@@ -99,6 +114,11 @@ class RandomWorkload:
     def describe(self) -> dict:
         return {"workload": self.name, "input_len": self.input_len, "output_len": self.output_len,
                 "range_ratio": self.range_ratio}
+
+    def longest_request(self) -> RequestSize:
+        flags = "--input-len, --output-len" + (", --range-ratio" if self.range_ratio else "")
+        return RequestSize(longest_in_range(self.input_len, self.range_ratio),
+                           longest_in_range(self.output_len, self.range_ratio), flags)
 
 
 @dataclass(slots=True)
@@ -144,3 +164,7 @@ class PrefixRepetitionWorkload:
     def describe(self) -> dict:
         return {"workload": self.name, "prefix_len": self.prefix_len, "suffix_len": self.suffix_len,
                 "num_prefixes": self.num_prefixes, "output_len": self.output_len}
+
+    def longest_request(self) -> RequestSize:
+        return RequestSize(self.prefix_len + self.suffix_len, self.output_len,
+                           "--prefix-len, --suffix-len, --output-len")

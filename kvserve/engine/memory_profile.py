@@ -95,7 +95,6 @@ def _decode_forward(config: EngineConfig, loaded: LoadedModel, device: torch.dev
         max_context_len=length,
         block_size=block_size,
         sliding_window=loaded.config.sliding_window,
-        use_kernel=False,
         max_gather_tokens=gather_tokens,
     )
     paged = PagedAttentionMetadata(slot_mapping=torch.zeros(num_seqs, dtype=torch.long, device=device), decode=group)

@@ -16,7 +16,7 @@ from kvserve.cache.kv_storage import LayerKVCache
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.cpu_kernels import cpu_kernels
+from kvserve.model.cpu_kernels import cpu_kernels, prefill_kernel
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
 
@@ -61,12 +61,10 @@ class ModelRunner:
         if device.type == "cpu":
             model.pack_weights_for_cpu()
         kernels = cpu_kernels() if device.type == "cpu" else None
-        self.use_cpu_kernel = kernels is not None
-        self.use_prefill_kernel = (
-            kernels is not None and kernels.has_prefill_attention()
-            and model.dtype == torch.bfloat16 and kv_caches[0].key.dtype == torch.bfloat16
-            and model.config.head_dim % 64 == 0
-        )
+        # The CPU kernels read the cache in the model's dtype; None: the portable torch path.
+        self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+        same_dtype = kv_caches[0].key.dtype == model.dtype
+        self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim) if same_dtype else None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
@@ -136,7 +134,7 @@ class ModelRunner:
             max_context_len=max(context_lens),
             block_size=self.block_size,
             sliding_window=self.sliding_window,
-            use_kernel=self.use_cpu_kernel,
+            kernel=self.decode_kernel,
             max_gather_tokens=self.max_gather_tokens,
         )
 
@@ -147,7 +145,7 @@ class ModelRunner:
                             device=self.device)
 
     def _prefill_group(self, prefills: list[ScheduledRequest], starts: list[int]) -> PrefillGroup:
-        if not self.use_prefill_kernel:
+        if self.prefill_kernel is None:
             segments = [self._prefill_segment(item, starts[i], starts[i + 1]) for i, item in enumerate(prefills)]
             return PrefillGroup(segments, kernel_inputs=None)
         num_past = [item.request.num_computed_tokens for item in prefills]
@@ -157,7 +155,7 @@ class ModelRunner:
             torch.tensor(starts, dtype=torch.long),
             torch.tensor(num_past, dtype=torch.long),
         )
-        return PrefillGroup(segments=[], kernel_inputs=kernel_inputs)
+        return PrefillGroup(segments=[], kernel_inputs=kernel_inputs, kernel=self.prefill_kernel)
 
     def _prefill_segment(self, item: ScheduledRequest, token_start: int, token_end: int) -> PrefillSegment:
         num_past = item.request.num_computed_tokens

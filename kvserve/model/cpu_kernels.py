@@ -1,8 +1,9 @@
 """Optional C++ kernels for CPUs, compiled on first use with torch's extension builder (needs a C++ compiler
-and ninja). Everything here has a portable torch fallback: if the build fails, kvserve logs why and runs the
-portable path, never fails.
+and ninja), once per ISA family (kvserve/model/cpu_isa.py): the module's name carries the family, so each
+family has its own entry in torch's extension cache. Everything here has a portable torch fallback: if the
+build fails, kvserve logs why and runs the portable path, never fails.
 
-Set KVSERVE_CPU_KERNELS=0 to force the portable path.
+Set KVSERVE_CPU_KERNELS=0 to force the portable path, KVSERVE_CPU_ISA=avx2 (etc.) to cap the family.
 """
 
 from __future__ import annotations
@@ -12,30 +13,65 @@ import os
 from functools import cache
 from pathlib import Path
 
+import torch
+
+from kvserve.model.cpu_isa import CpuIsa, runnable_isas, selected_isa
+
 logger = logging.getLogger("kvserve.model")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_attention.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_fp32.cpp")]
+
+
+def cpu_kernels(isa: CpuIsa | None = None):
+    """The compiled module for `isa` (default: the selected family), or None when it cannot be built or
+    KVSERVE_CPU_KERNELS=0. Which prefill kernels it has depends on the family: see `prefill_kernel`."""
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    return _build(isa or selected_isa())
+
+
+def prefill_kernel(kernels, dtype: torch.dtype, head_dim: int):
+    """The module's prefill attention function for this dtype and head size, or None (the portable path)."""
+    if kernels is None:
+        return None
+    if dtype == torch.bfloat16 and kernels.has_prefill_attention_bf16() and head_dim % 64 == 0:
+        return kernels.paged_prefill_attention_bf16
+    multiple = kernels.prefill_attention_fp32_head_dim_multiple()
+    if dtype == torch.float32 and multiple and head_dim % multiple == 0:
+        return kernels.paged_prefill_attention_fp32
+    return None
+
+
+def kernel_families() -> list[CpuIsa]:
+    """The families whose kernels build and run here (tests check each against the reference)."""
+    return [isa for isa in runnable_isas() if _build(isa) is not None]
+
+
+def module_name(isa: CpuIsa) -> str:
+    return f"kvserve_cpu_kernels_{isa.name}"
 
 
 @cache
-def cpu_kernels():
-    """The compiled module (paged decode and prefill attention, the fused ops), or None when it cannot be built.
-
-    The prefill kernel exists only where the compiler targets AVX512-BF16: check `has_prefill_attention()`.
-    """
-    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
-        return None
+def _build(isa: CpuIsa):
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        name = module_name(isa)
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        if not any(build_dir.glob(f"{name}*.so")):
+            logger.info("Building the CPU kernels for %s (once per CPU family, about 30-60 s; cached in %s)",
+                        isa.label, build_dir)
         return load(
-            name="kvserve_paged_attention",
+            name=name,
             sources=[str(source) for source in SOURCES],
+            # The family's flags, not -march=native: the cache entry must run on every CPU of the family.
             # -fopenmp: at::parallel_for is header code that runs serially unless OpenMP is on at compile time.
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_cflags=["-O3", "-ffast-math", "-fopenmp", *isa.compile_flags],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
             verbose=False,
         )
     except Exception as exc:  # a missing compiler or ninja must not stop the engine
-        logger.warning("CPU paged-attention kernels unavailable (%s); using the portable torch path", exc)
+        logger.warning("CPU kernels for %s unavailable (%s); using the portable torch path", isa.label, exc)
         return None

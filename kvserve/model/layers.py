@@ -4,8 +4,11 @@ Each block has a portable torch form and, on CPU when the C++ kernels are built,
 same arithmetic (same rounding points) in one pass and one Python dispatch instead of five to ten.
 
 Matmul weights may be packed for CPU (`pack_weight`): oneDNN then reads them in its own blocked layout instead
-of reordering them on every call. Results are bit-identical to F.linear; bf16 matmuls get 1.2-2x faster at
-decode batch sizes (1-32 rows), where that per-call reorder is a large share of the work.
+of reordering them on every call. bf16 results are bit-identical to F.linear, and bf16 matmuls get 1.2-2x
+faster at decode batch sizes (1-32 rows), where that per-call reorder is a large share of the work. fp32 (the
+compute dtype of CPUs without native bf16) is packed too: torch's default fp32 path (MKL) is erratic on AMD
+CPUs at decode sizes (2-15 GFLOP/s for some 32-row shapes) where oneDNN's packed kernels hold 100-200; its
+results differ from F.linear's by fp32 rounding (another summation order).
 """
 
 from __future__ import annotations
@@ -28,21 +31,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
+
+
 @cache
-def weight_packing_available() -> bool:
-    """Whether this torch build packs bf16 weights for oneDNN and gets F.linear's exact results with them."""
+def weight_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch build packs `dtype` weights for oneDNN and gets F.linear's results with them (exactly
+    for bf16, within fp32 rounding for fp32)."""
+    if dtype not in PACKABLE_DTYPES:
+        return False
     try:
         generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(24, 40, generator=generator).bfloat16()
-        x = torch.randn(3, 40, generator=generator).bfloat16()
+        weight = torch.randn(24, 40, generator=generator).to(dtype)
+        x = torch.randn(3, 40, generator=generator).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        return torch.equal(linear(x, packed), F.linear(x, weight))
+        if dtype == torch.bfloat16:
+            return torch.equal(linear(x, packed), F.linear(x, weight))
+        return torch.allclose(linear(x, packed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     except (RuntimeError, AttributeError):
         return False
 
 
 def pack_weight(module: torch.nn.Module, name: str) -> None:
-    """Replaces the bf16 CPU matmul weight `module.<name>` by its packed form (once; the plain one is freed)."""
+    """Replaces the CPU matmul weight `module.<name>` by its packed form (once; the plain one is freed)."""
     weight = getattr(module, name)
     if weight.is_mkldnn:
         return

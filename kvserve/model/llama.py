@@ -90,12 +90,12 @@ class LlamaForCausalLM(torch.nn.Module):
         self.fused_kernels = cpu_kernels() if enabled else None
 
     def pack_weights_for_cpu(self) -> bool:
-        """Packs every matmul weight for oneDNN (bf16 on CPU; see layers.py). Returns whether it did.
+        """Packs every matmul weight for oneDNN (bf16 and fp32 on CPU; see layers.py). Returns whether it did.
 
         A tied head gets a packed copy of the embedding (vocab x hidden more bytes, counted by weight_bytes):
         the embedding lookup needs the plain matrix.
         """
-        if self.dtype != torch.bfloat16 or self.embed_tokens.device.type != "cpu" or not weight_packing_available():
+        if self.embed_tokens.device.type != "cpu" or not weight_packing_available(self.dtype):
             return False
         if self.lm_head is None:
             self.lm_head = self.embed_tokens.detach()

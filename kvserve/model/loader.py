@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from kvserve.config import ModelConfig, ModelLoadError
+from kvserve.model.cpu_isa import native_bf16, selected_isa
 from kvserve.model.demo import DEMO_MODEL_NAME, demo_model_path
 from kvserve.model.hf_checkpoint import (
     count_safetensors_tensors, iter_safetensors, read_generation_config, read_hf_config, safetensors_files,
@@ -78,13 +79,26 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
         name = str(config.torch_dtype or "bfloat16").removeprefix("torch.")
         if name not in DTYPES:
             name = "bfloat16"
-        if name == "float16" and device.type == "cpu":
-            name = "bfloat16"  # CPUs have fast bf16 (AMX/AVX-512) kernels but slow fp16 ones
+        if device.type == "cpu" and name != "float32":
+            # bf16 only where the CPU has bf16 dot products (AVX512-BF16, AMX); elsewhere torch's bf16 and fp16
+            # matmuls run at a fraction of fp32's speed.
+            name = "bfloat16" if native_bf16() else "float32"
         if name == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
             name = "float16"  # GPUs before Ampere only emulate bf16
     if name not in DTYPES:
         raise ValueError(f"--dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}")
     return DTYPES[name]
+
+
+def cpu_dispatch_line(dtype: torch.dtype, kernels_built: bool) -> str:
+    """One line for the start-up log: what this CPU has, and the compute dtype and kernels chosen for it."""
+    isa = selected_isa()
+    bf16 = "native bf16" if native_bf16() else "no native bf16"
+    kernels = f"{isa.label} kernels" if kernels_built else "portable torch path (no CPU kernels)"
+    line = f"CPU: {isa.label}, {bf16} -> {str(dtype).removeprefix('torch.')} compute, {kernels}"
+    if dtype != torch.float32 and not native_bf16():
+        line += " (float32 computes faster on this CPU: --dtype auto picks it)"
+    return line
 
 
 def load_model(model: str | None = None, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
@@ -104,6 +118,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
         load_weights(net, source.tensors(torch_dtype), checkpoint=str(path), on_tensor=bar.update)
     net.eval()
     net.use_fused_kernels(device.type == "cpu")
+    if device.type == "cpu":
+        logger.info("%s", cpu_dispatch_line(torch_dtype, net.fused_kernels is not None))
     weights_bytes = net.weight_bytes()
     num_params = sum(p.numel() for p in net.parameters())
     name = DEMO_MODEL_NAME if model is None else str(model)

@@ -6,7 +6,8 @@ filling (prefix-cache hits within one step) and lets a chunked prefill see its e
 
 On CPU, when the C++ kernels build (kvserve/model/cpu_kernels.py), both kinds of rows read K/V in place
 through the block tables: decodes (one new token per sequence) in one kernel call per layer, and every prefill
-segment of the step in another (bf16 on CPUs with AVX512-BF16; 4-6x torch's flash kernel at 400 tokens).
+segment of the step in another (bf16 on CPUs with AVX512-BF16, fp32 on AVX2 or AVX-512; 4-6x torch's flash
+kernel at 400 tokens). The model runner picks the kernels once and hands them over in the metadata.
 The portable torch path (CUDA, other dtypes, a CPU without a compiler) batches decodes into two matmuls over a
 padded context gathered with one index_select per layer (indices built once per step), in chunks of sequences
 so the gathered copy stays under a bound the engine's memory profile covers; it runs each prefill through
@@ -15,13 +16,12 @@ SDPA: over its own new K/V when it has no cached past, over a context gathered f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.cache.kv_storage import LayerKVCache
-from kvserve.model.cpu_kernels import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -42,6 +42,7 @@ class PrefillGroup:
 
     segments: list[PrefillSegment]  # empty when the kernel runs
     kernel_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # block tables, query starts, num past
+    kernel: Callable | None = None  # the CPU prefill kernel for the model's dtype (cpu_kernels.prefill_kernel)
 
 
 @dataclass(slots=True)
@@ -53,7 +54,8 @@ class DecodeGroup:
     max_context_len: int  # max(context_lens), from the host: reading a CUDA tensor would sync mid-forward
     block_size: int
     sliding_window: int | None
-    use_kernel: bool  # the compiled CPU kernel reads blocks in place; otherwise the portable gather path
+    # The compiled CPU kernel (paged_decode_attention) that reads blocks in place; None: the portable gather path.
+    kernel: Callable | None = None
     # The portable path gathers at most this many padded context tokens per layer at once (whole sequences, at
     # least one), so its transient copy is bounded whatever the batch; None: every sequence at once.
     max_gather_tokens: int | None = None
@@ -118,10 +120,10 @@ def paged_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
 
 def _prefill(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, group: PrefillGroup,
              out: torch.Tensor) -> None:
-    if group.kernel_inputs is not None:
+    if group.kernel is not None:
         block_tables, query_starts, num_past = group.kernel_inputs
-        cpu_kernels().paged_prefill_attention(q, kv_cache.key, kv_cache.value, block_tables, query_starts, num_past,
-                                              attn.scale, attn.sliding_window or 0, out)
+        group.kernel(q, kv_cache.key, kv_cache.value, block_tables, query_starts, num_past, attn.scale,
+                     attn.sliding_window or 0, out)
         return
     for segment in group.segments:
         rows = slice(segment.token_start, segment.token_end)
@@ -136,8 +138,8 @@ def _prefill(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
 def _decode(attn, q: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup, out: torch.Tensor) -> None:
     num_decodes = group.num_decodes
     q_dec = q[:num_decodes]
-    if group.use_kernel:
-        result = cpu_kernels().paged_decode_attention(
+    if group.kernel is not None:
+        result = group.kernel(
             q_dec.contiguous(), kv_cache.key, kv_cache.value, group.block_tables, group.context_lens, attn.scale,
             group.sliding_window or 0,
         )

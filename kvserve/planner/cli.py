@@ -20,16 +20,18 @@ from kvserve.planner.plan import (
     DEFAULT_MAX_NUM_SEQS,
     PlanRequest,
     make_plan,
+    model_cost,
 )
 from kvserve.planner.quant import QUANTIZATION_CHOICES
 from kvserve.planner.report import (
     render_gpu_catalog,
     render_gpu_comparison,
     render_kv_comparison,
+    render_model_cost,
     render_plan,
     render_reference,
 )
-from kvserve.planner.serialize import plan_to_dict, reference_to_dicts
+from kvserve.planner.serialize import model_cost_to_dict, plan_to_dict, reference_to_dicts
 from kvserve.planner.specs import ModelSpec, load_spec
 from kvserve.planner.units import parse_token_count
 
@@ -40,7 +42,8 @@ _PIPED_CONSOLE_WIDTH = 160
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model and hardware")
     model.add_argument("--model", help="registry id (Qwen/Qwen2.5-14B-Instruct), local HF folder, config.json or .gguf")
-    model.add_argument("--gpu", help="catalog GPU (A100-80GB, H100, L4, ...; see --list-gpus)")
+    model.add_argument("--gpu", help="catalog GPU (A100-80GB, H100, L4, ...; see --list-gpus); without --gpu and "
+                                     "--gpu-memory: the model's own figures (weights, KV per token and per request)")
     model.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory per GPU in GiB, for any other card")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
     model.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
@@ -105,10 +108,21 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     request = request_from_args(args)
     if args.compare:
         return _run_comparison(args, console, spec, request)
+    if request.gpu is None and request.gpu_memory_gib is None:
+        return _run_without_gpu(args, console, spec, request)
     plan = make_plan(spec, request)
     fixes = suggest_fixes(plan)
     _emit_json(plan_to_dict(plan, fixes)) if args.json else render_plan(console, plan, fixes)
     return 1 if args.check and not plan.verdict.fits else 0
+
+
+def _run_without_gpu(args: argparse.Namespace, console: Console, spec: ModelSpec, request: PlanRequest) -> int:
+    """The model's own figures: what it costs is known without a GPU; whether it fits is not."""
+    if args.check:
+        raise PlannerError("--check needs --gpu NAME or --gpu-memory GIB: without a GPU there is no verdict")
+    cost = model_cost(spec, request)
+    _emit_json(model_cost_to_dict(cost)) if args.json else render_model_cost(console, cost)
+    return 0
 
 
 def _run_comparison(args: argparse.Namespace, console: Console, spec: ModelSpec, request: PlanRequest) -> int:

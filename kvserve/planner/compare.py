@@ -5,13 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvserve.planner.gpus import GPU_CATALOG
-from kvserve.planner.kv import kv_bytes_per_request, kv_bytes_per_token
+from kvserve.planner.kv import COMPARED_KV_DTYPES, kv_bytes_per_request, kv_bytes_per_token
 from kvserve.planner.plan import Plan, PlanRequest, make_plan
 from kvserve.planner.registry import REGISTRY, registry_spec
 from kvserve.planner.specs import ModelSpec
 from kvserve.planner.weights import total_params
-
-COMPARED_KV_DTYPES = ("auto", "fp8", "int8", "int4")
 
 
 def compare_gpus(spec: ModelSpec, request: PlanRequest) -> list[Plan]:

@@ -33,6 +33,7 @@ from kvserve.planner.specs import ModelSpec
 from kvserve.planner.units import ceil_div, format_bytes
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+COMPARED_KV_DTYPES = ("auto", "fp8", "int8", "int4")  # the model dtype, then each quantized format
 KV_SCALE_BYTES = 2  # fp16 scales for int8/int4
 INT4_GROUP_SIZE = 32
 

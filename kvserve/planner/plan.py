@@ -23,6 +23,7 @@ from kvserve.planner.dtypes import resolve_model_dtype
 from kvserve.planner.errors import PlannerError
 from kvserve.planner.gpus import GpuSpec, resolve_gpu
 from kvserve.planner.kv import (
+    COMPARED_KV_DTYPES,
     KVFormat,
     explain_kv_bytes_per_token,
     format_bytes_exact,
@@ -122,6 +123,68 @@ class Plan:
         return next(f for f in self.figures if f.key == key)
 
 
+# What a GPU adds to a model's own figures (ModelCost): said wherever those are shown without one.
+WITH_GPU = ("pass --gpu NAME (see --list-gpus) or --gpu-memory GIB to add the KV pool left after weights and the "
+            "activation reserve, how many requests fit at once (at max-model-len, and at --avg-context-len), and "
+            "whether --max-num-seqs of them fit (the verdict, and what to change when they do not)")
+
+
+@dataclass(slots=True, frozen=True)
+class KVCost:
+    """What the KV cache of this model costs in one --kv-cache-dtype, whatever the GPU."""
+
+    kv_cache_dtype: str  # as the flag takes it ("auto", "fp8", ...)
+    kv: KVFormat
+    per_token: Figure
+    per_request: Figure  # one request at --max-model-len
+    per_avg_request: Figure | None  # one request at --avg-context-len, when given
+
+
+@dataclass(slots=True)
+class ModelCost:
+    """A plan without a GPU: the model's own figures (weights, and KV per token and per request in each KV dtype),
+    the same figures a plan shows, before a GPU's memory turns them into a pool, a concurrency and a verdict."""
+
+    spec: ModelSpec
+    request: PlanRequest
+    model_dtype: str
+    max_model_len: int
+    weights: WeightEstimate
+    weights_figure: Figure
+    kv_costs: list[KVCost]
+    notes: list[str] = field(default_factory=list)
+
+
+def model_cost(spec: ModelSpec, request: PlanRequest) -> ModelCost:
+    """The model dtype's KV, fp8, int8 and int4 (and --kv-cache-dtype, if it is none of those)."""
+    _validate_request(spec, request)
+    model_dtype = resolve_model_dtype(request.dtype, spec.dtype)
+    max_model_len = _resolve_max_model_len(spec, request.max_model_len)
+    weights = estimate_weights(spec, model_dtype, quant_from_flag(request.quantization),
+                               request.tensor_parallel_size, request.pipeline_parallel_size)
+    dtypes = list(COMPARED_KV_DTYPES)
+    compared = {kv_format(dtype, model_dtype) for dtype in dtypes}
+    if kv_format(request.kv_cache_dtype, model_dtype) not in compared:
+        dtypes.append(request.kv_cache_dtype)
+    costs = [_kv_cost(spec, request, dtype, model_dtype, max_model_len) for dtype in dtypes]
+    return ModelCost(spec, request, model_dtype, max_model_len, weights, _weights_figure(weights), costs,
+                     _notes(spec, request))
+
+
+def _kv_cost(spec: ModelSpec, request: PlanRequest, kv_cache_dtype: str, model_dtype: str,
+             max_model_len: int) -> KVCost:
+    tp, pp, bs = request.tensor_parallel_size, request.pipeline_parallel_size, request.block_size
+    per_token = kv_bytes_per_token(spec, kv_cache_dtype, model_dtype, tp, pp)
+    block_bytes = kv_block_bytes(spec, bs, kv_cache_dtype, model_dtype, tp, pp)
+    fmt = kv_format(kv_cache_dtype, model_dtype)
+    avg = request.avg_context_len
+    return KVCost(
+        kv_cache_dtype, fmt, _per_token_figure(spec, fmt, per_token, tp, pp),
+        _request_figure("kv_per_request", "max-model-len", max_model_len, bs, block_bytes),
+        _request_figure("kv_per_avg_request", "avg-context-len", avg, bs, block_bytes) if avg else None,
+    )
+
+
 def make_plan(spec: ModelSpec, request: PlanRequest) -> Plan:
     _validate_request(spec, request)
     gpu = resolve_gpu(request.gpu, request.gpu_memory_gib)
@@ -153,7 +216,7 @@ def make_plan(spec: ModelSpec, request: PlanRequest) -> Plan:
     )
     plan.figures = _figures(plan)
     plan.verdict = _verdict(plan)
-    plan.notes = _notes(plan)
+    plan.notes = _notes(spec, request)
     return plan
 
 
@@ -207,19 +270,17 @@ def _figures(plan: Plan) -> list[Figure]:
     request, bs = plan.request, plan.request.block_size
     per_token_text = format_bytes_exact(plan.kv_bytes_per_token)
     figures = [
-        Figure("kv_bytes_per_token", "KV cache per token (per GPU)", plan.kv_bytes_per_token, per_token_text,
-               explain_kv_bytes_per_token(plan.spec, plan.kv, request.tensor_parallel_size,
-                                          request.pipeline_parallel_size)),
+        _per_token_figure(plan.spec, plan.kv, plan.kv_bytes_per_token, request.tensor_parallel_size,
+                          request.pipeline_parallel_size),
         Figure("kv_block_bytes", f"KV block of {bs} tokens", plan.block_bytes, format_bytes(plan.block_bytes),
                f"{bs} tokens × {per_token_text} = {format_bytes(plan.block_bytes)}"),
-        _request_figure(plan),
+        _request_figure("kv_per_request", "max-model-len", plan.max_model_len, bs, plan.block_bytes),
         Figure("gpu_memory", f"GPU memory ({plan.gpu.name})", plan.gpu.memory_bytes,
                format_bytes(plan.gpu.memory_bytes), f"{plan.gpu.nominal}, as CUDA reports it"),
         Figure("budget", "Memory budget", plan.budget_bytes, format_bytes(plan.budget_bytes),
                f"{request.gpu_memory_utilization:g} (--gpu-memory-utilization) × "
                f"{format_bytes(plan.gpu.memory_bytes)} = {format_bytes(plan.budget_bytes)}"),
-        Figure("weights", "Weights per GPU", plan.weights.per_gpu_bytes, format_bytes(plan.weights.per_gpu_bytes),
-               plan.weights.formula),
+        _weights_figure(plan.weights),
         Figure("activation", "Activation & graph reserve", plan.activation.bytes,
                format_bytes(plan.activation.bytes), plan.activation.formula),
         Figure("kv_pool", "KV pool per GPU", plan.pool_bytes, format_bytes(plan.pool_bytes),
@@ -245,12 +306,23 @@ def _figures(plan: Plan) -> list[Figure]:
     return figures
 
 
-def _request_figure(plan: Plan) -> Figure:
-    blocks = blocks_per_request(plan.max_model_len, plan.request.block_size)
-    request_bytes = blocks * plan.block_bytes
-    return Figure("kv_per_request", f"One request at max-model-len {plan.max_model_len:,}", request_bytes,
-                  format_bytes(request_bytes),
-                  f"{blocks:,} blocks × {format_bytes(plan.block_bytes)} = {format_bytes(request_bytes)}")
+def _per_token_figure(spec: ModelSpec, fmt: KVFormat, per_token: int, tensor_parallel_size: int,
+                      pipeline_parallel_size: int) -> Figure:
+    return Figure("kv_bytes_per_token", "KV cache per token (per GPU)", per_token, format_bytes_exact(per_token),
+                  explain_kv_bytes_per_token(spec, fmt, tensor_parallel_size, pipeline_parallel_size))
+
+
+def _weights_figure(weights: WeightEstimate) -> Figure:
+    return Figure("weights", "Weights per GPU", weights.per_gpu_bytes, format_bytes(weights.per_gpu_bytes),
+                  weights.formula)
+
+
+def _request_figure(key: str, flag: str, context_len: int, block_size: int, block_bytes: int) -> Figure:
+    """One request's KV in whole blocks, as the pool allocates it."""
+    blocks = blocks_per_request(context_len, block_size)
+    request_bytes = blocks * block_bytes
+    return Figure(key, f"One request at {flag} {context_len:,}", request_bytes, format_bytes(request_bytes),
+                  f"{blocks:,} blocks × {format_bytes(block_bytes)} = {format_bytes(request_bytes)}")
 
 
 def _concurrency_figure(plan: Plan, key: str, flag: str, context_len: int) -> Figure:
@@ -326,15 +398,15 @@ def _workload_check(plan: Plan) -> tuple[bool | None, str]:
                    f"{target / fits_now if fits_now else float('inf'):.1f}× the pool; it holds {fits_now:.1f}")
 
 
-def _notes(plan: Plan) -> list[str]:
-    spec, notes = plan.spec, []
+def _notes(spec: ModelSpec, request: PlanRequest) -> list[str]:
+    notes = []
     if spec.has_windowed_layers:
         notes.append(f"{len(spec.windowed_layers)} of {spec.num_layers} layers use a {spec.sliding_window:,}-token "
                      "sliding window; figures count every layer at full length (what kvserve's pool reserves)")
-    if spec.is_mla and plan.request.tensor_parallel_size > 1:
+    if spec.is_mla and request.tensor_parallel_size > 1:
         notes.append("MLA's latent KV is replicated on every TP rank: TP does not shrink KV bytes per token")
-    if not spec.is_mla and spec.num_kv_heads < plan.request.tensor_parallel_size:
-        notes.append(f"{spec.num_kv_heads} KV heads < TP {plan.request.tensor_parallel_size}: KV heads are "
+    if not spec.is_mla and spec.num_kv_heads < request.tensor_parallel_size:
+        notes.append(f"{spec.num_kv_heads} KV heads < TP {request.tensor_parallel_size}: KV heads are "
                      "replicated, one per GPU")
     if spec.quantization_note:
         notes.append(spec.quantization_note)

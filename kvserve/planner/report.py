@@ -13,7 +13,7 @@ from kvserve.planner.advice import Fix
 from kvserve.planner.compare import ReferenceRow
 from kvserve.planner.gpus import GPU_CATALOG
 from kvserve.planner.kv import format_bytes_exact
-from kvserve.planner.plan import DOES_NOT_LOAD, FITS, OVERCOMMITTED, Plan
+from kvserve.planner.plan import DOES_NOT_LOAD, FITS, OVERCOMMITTED, WITH_GPU, ModelCost, Plan, PlanRequest
 from kvserve.planner.units import format_bytes, format_params
 
 _VERDICT_STYLE = {FITS: "green", OVERCOMMITTED: "yellow", DOES_NOT_LOAD: "red"}
@@ -37,13 +37,55 @@ def render_plan(console: Console, plan: Plan, fixes: list[Fix]) -> None:
         console.print(f"[dim]note: {_reserve_note(plan.activation)}[/dim]")
 
 
+def render_model_cost(console: Console, cost: ModelCost) -> None:
+    """No GPU given: the model's own figures, one row per KV dtype, then what a GPU would add."""
+    request, spec = cost.request, cost.spec
+    console.print(
+        f"[bold]{spec.name}[/bold] ({_parallel_text(request)}) · dtype {cost.model_dtype} · "
+        f"weights {cost.weights.quant.label} · block {request.block_size} · max-model-len {cost.max_model_len:,}\n"
+        f"[dim]source: {spec.source}; weights from {cost.weights.source}[/dim]"
+    )
+    weights = Table(show_header=True, header_style="bold", expand=False)
+    weights.add_column("Figure", style="cyan", no_wrap=True)
+    weights.add_column("Value", justify="right", no_wrap=True)
+    weights.add_column("Arithmetic", overflow="fold")
+    weights.add_row(cost.weights_figure.label, cost.weights_figure.text, cost.weights_figure.formula)
+    console.print(weights)
+    console.print(_kv_cost_table(cost))
+    for note in cost.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+    console.print(f"No GPU given: {WITH_GPU}.")
+
+
+def _kv_cost_table(cost: ModelCost) -> Table:
+    first = cost.kv_costs[0]
+    table = Table(title="KV cache by --kv-cache-dtype (per GPU)", show_header=True, header_style="bold",
+                  expand=False)
+    table.add_column("KV dtype", style="cyan", no_wrap=True)
+    table.add_column("KV/token", justify="right", no_wrap=True)
+    table.add_column(first.per_request.label, justify="right", no_wrap=True)
+    if first.per_avg_request is not None:
+        table.add_column(first.per_avg_request.label, justify="right", no_wrap=True)
+    table.add_column("Arithmetic (per token)", overflow="fold")
+    for kv in cost.kv_costs:
+        name = kv.kv.name if kv.kv_cache_dtype == kv.kv.name else f"{kv.kv_cache_dtype} ({kv.kv.name})"
+        row = [name, kv.per_token.text, kv.per_request.text]
+        if kv.per_avg_request is not None:
+            row.append(kv.per_avg_request.text)
+        table.add_row(*row, kv.per_token.formula)
+    return table
+
+
+def _parallel_text(request: PlanRequest) -> str:
+    return f"TP {request.tensor_parallel_size}" + (
+        f" × PP {request.pipeline_parallel_size}" if request.pipeline_parallel_size > 1 else "")
+
+
 def _title(plan: Plan) -> str:
     request, spec = plan.request, plan.spec
     quant = plan.weights.quant.label
-    parallel = f"TP {request.tensor_parallel_size}" + (
-        f" × PP {request.pipeline_parallel_size}" if request.pipeline_parallel_size > 1 else "")
     return (
-        f"[bold]{spec.name}[/bold] on [bold]{plan.gpu.name}[/bold] ({parallel}) · dtype {plan.model_dtype} · "
+        f"[bold]{spec.name}[/bold] on [bold]{plan.gpu.name}[/bold] ({_parallel_text(request)}) · dtype {plan.model_dtype} · "
         f"KV {plan.kv.name} · weights {quant} · block {request.block_size} · "
         f"max-model-len {plan.max_model_len:,} · max-num-seqs {request.max_num_seqs}\n"
         f"[dim]source: {spec.source}; weights from {plan.weights.source}[/dim]"

@@ -7,7 +7,8 @@ from typing import Any
 
 from kvserve.planner.advice import Fix
 from kvserve.planner.compare import ReferenceRow
-from kvserve.planner.plan import Plan
+from kvserve.planner.plan import WITH_GPU, Figure, ModelCost, Plan
+from kvserve.planner.specs import ModelSpec
 
 JSON_SCHEMA_VERSION = 1
 
@@ -16,20 +17,7 @@ def plan_to_dict(plan: Plan, fixes: list[Fix] | None = None) -> dict[str, Any]:
     spec, request = plan.spec, plan.request
     return {
         "schema_version": JSON_SCHEMA_VERSION,
-        "model": {
-            "name": spec.name,
-            "source": spec.source,
-            "architecture": spec.architecture,
-            "num_layers": spec.num_layers,
-            "num_attention_heads": spec.num_attention_heads,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-            "attention": spec.attention_kind,
-            "sliding_window": spec.sliding_window,
-            "num_windowed_layers": len(spec.windowed_layers),
-            "max_position_embeddings": spec.max_position_embeddings,
-            "params": plan.weights.total_params,
-        },
+        "model": _model_dict(spec, plan.weights.total_params),
         "gpu": {"name": plan.gpu.name, "memory_bytes": plan.gpu.memory_bytes},
         "inputs": asdict(request) | {
             "max_model_len": plan.max_model_len,
@@ -47,8 +35,7 @@ def plan_to_dict(plan: Plan, fixes: list[Fix] | None = None) -> dict[str, Any]:
         "kv_pool_bytes": plan.pool_bytes,
         "num_blocks": plan.num_blocks,
         "tokens_in_pool": plan.tokens_in_pool,
-        "figures": {f.key: {"label": f.label, "value": f.value, "text": f.text, "formula": f.formula}
-                    for f in plan.figures},
+        "figures": {f.key: _figure_dict(f) for f in plan.figures},
         "verdict": {
             "status": plan.verdict.status,
             "fits": plan.verdict.fits,
@@ -59,6 +46,59 @@ def plan_to_dict(plan: Plan, fixes: list[Fix] | None = None) -> dict[str, Any]:
         "fixes": [asdict(fix) for fix in fixes or []],
         "notes": list(plan.notes),
     }
+
+
+def model_cost_to_dict(cost: ModelCost) -> dict[str, Any]:
+    """A plan without a GPU: `gpu` is null and there is no pool, concurrency or verdict; `with_gpu` says what
+    passing one adds."""
+    request = cost.request
+    return {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "model": _model_dict(cost.spec, cost.weights.total_params),
+        "gpu": None,
+        "inputs": asdict(request) | {
+            "max_model_len": cost.max_model_len,
+            "resolved_dtype": cost.model_dtype,
+            "resolved_quantization": cost.weights.quant.label,
+        },
+        "weights_bytes_per_gpu": cost.weights.per_gpu_bytes,
+        "weights_bytes_total": cost.weights.total_bytes,
+        "weights": _figure_dict(cost.weights_figure),
+        "kv_cache_dtypes": [
+            {
+                "kv_cache_dtype": kv.kv_cache_dtype,
+                "resolved_kv_cache_dtype": kv.kv.name,
+                "kv_bytes_per_token": kv.per_token.value,
+                "kv_bytes_per_request_at_max_model_len": kv.per_request.value,
+                "kv_bytes_per_request_at_avg_context_len": kv.per_avg_request.value if kv.per_avg_request else None,
+                "figures": {f.key: _figure_dict(f) for f in (kv.per_token, kv.per_request, kv.per_avg_request) if f},
+            }
+            for kv in cost.kv_costs
+        ],
+        "notes": list(cost.notes),
+        "with_gpu": WITH_GPU,
+    }
+
+
+def _model_dict(spec: ModelSpec, params: int) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "source": spec.source,
+        "architecture": spec.architecture,
+        "num_layers": spec.num_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "attention": spec.attention_kind,
+        "sliding_window": spec.sliding_window,
+        "num_windowed_layers": len(spec.windowed_layers),
+        "max_position_embeddings": spec.max_position_embeddings,
+        "params": params,
+    }
+
+
+def _figure_dict(figure: Figure) -> dict[str, Any]:
+    return {"label": figure.label, "value": figure.value, "text": figure.text, "formula": figure.formula}
 
 
 def reference_to_dicts(rows: list[ReferenceRow]) -> list[dict[str, Any]]:

@@ -4,6 +4,8 @@
 // walk the sequence's blocks through the block table, so K and V are read exactly once, in place; nothing is
 // gathered or padded. With fewer pairs than threads, contexts are split into parts whose partial results are
 // merged (flash decoding). Scores and softmax are fp32; the output is written in the query's dtype.
+// Built once per ISA family (simd.h): AVX-512 (with vdpbf16ps scores where AVX512-BF16 is), AVX2 + FMA, and
+// plain C++ for anything else.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -12,9 +14,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -34,15 +34,7 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
 }
 
 #if defined(__AVX512F__)
-// 16 elements of a cache row as fp32 lanes.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using simd::Simd;
 
 // The GQA group's query rows (scores pass) and accumulators (values pass) stay in registers across the whole
 // context: kChunks registers per row, at most 16 registers in all.
@@ -61,7 +53,7 @@ void scores_avx512(const float* qf, const scalar_t* k_cache, int64_t group, int6
     for (int c = 0; c < kChunks; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * kHeadDim + c * 16);
   for_each_token([&](int64_t t, int64_t offset) {
     __m512 key[kChunks];
-    for (int c = 0; c < kChunks; ++c) key[c] = load16(k_cache + offset + c * 16);
+    for (int c = 0; c < kChunks; ++c) key[c] = Simd::load(k_cache + offset + c * 16);
     for (int g = 0; g < kMaxGroup && g < group; ++g) {
       __m512 dot = _mm512_mul_ps(qv[g][0], key[0]);
       for (int c = 1; c < kChunks; ++c) dot = _mm512_fmadd_ps(qv[g][c], key[c], dot);
@@ -79,7 +71,7 @@ void values_avx512(const scalar_t* v_cache, const float* probs, int64_t group, i
     for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_setzero_ps();
   for_each_token([&](int64_t t, int64_t offset) {
     __m512 value[kChunks];
-    for (int c = 0; c < kChunks; ++c) value[c] = load16(v_cache + offset + c * 16);
+    for (int c = 0; c < kChunks; ++c) value[c] = Simd::load(v_cache + offset + c * 16);
     for (int g = 0; g < kMaxGroup && g < group; ++g) {
       const __m512 p = _mm512_set1_ps(probs[g * num_tokens + t]);
       for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_fmadd_ps(p, value[c], sum[g][c]);
@@ -143,6 +135,51 @@ void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const std::
   }
 }
 #endif
+#endif
+
+#if defined(KVSERVE_SIMD) && !defined(__AVX512F__)
+// AVX2 has 16 registers: too few to hold a GQA group's query rows and accumulators at once, so each query row
+// walks the context on its own; rows after the first find the task's keys and values in L1/L2 (a task's
+// context is tens of KB).
+template <typename scalar_t, int kHeadDim, typename ForEachToken>
+void scores_avx2(const float* qf, const scalar_t* k_cache, int64_t group, int64_t num_tokens, float* scores,
+                 ForEachToken&& for_each_token) {
+  using simd::Simd;
+  constexpr int kChunks = kHeadDim / Simd::kLanes;
+  static_assert(kChunks % 2 == 0, "two accumulators per dot product");
+  for (int64_t g = 0; g < group; ++g) {
+    Simd::V qv[kChunks];
+    for (int c = 0; c < kChunks; ++c) qv[c] = Simd::load(qf + g * kHeadDim + c * Simd::kLanes);
+    float* row_scores = scores + g * num_tokens;
+    for_each_token([&](int64_t t, int64_t offset) {
+      Simd::V even = Simd::zero(), odd = Simd::zero();
+      for (int c = 0; c < kChunks; c += 2) {
+        even = Simd::fmadd(qv[c], Simd::load(k_cache + offset + c * Simd::kLanes), even);
+        odd = Simd::fmadd(qv[c + 1], Simd::load(k_cache + offset + (c + 1) * Simd::kLanes), odd);
+      }
+      row_scores[t] = Simd::reduce_add(Simd::add(even, odd));
+    });
+  }
+}
+
+template <typename scalar_t, int kHeadDim, typename ForEachToken>
+void values_avx2(const scalar_t* v_cache, const float* probs, int64_t group, int64_t num_tokens, float* acc,
+                 ForEachToken&& for_each_token) {
+  using simd::Simd;
+  constexpr int kSlice = std::min(kHeadDim / Simd::kLanes, 8);  // accumulators per walk over the context
+  for (int64_t g = 0; g < group; ++g) {
+    for (int d0 = 0; d0 < kHeadDim; d0 += kSlice * Simd::kLanes) {
+      Simd::V sum[kSlice];
+      for (int c = 0; c < kSlice; ++c) sum[c] = Simd::zero();
+      for_each_token([&](int64_t t, int64_t offset) {
+        const Simd::V p = Simd::set1(probs[g * num_tokens + t]);
+        for (int c = 0; c < kSlice; ++c)
+          sum[c] = Simd::fmadd(p, Simd::load(v_cache + offset + d0 + c * Simd::kLanes), sum[c]);
+      });
+      for (int c = 0; c < kSlice; ++c) Simd::store(acc + g * kHeadDim + d0 + c * Simd::kLanes, sum[c]);
+    }
+  }
+}
 #endif
 
 template <typename scalar_t, typename ForEachToken>
@@ -223,6 +260,13 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       for (int64_t pos = begin; pos < end; ++pos) visit(pos - first_token, base + pos * token_stride);
     }
   };
+#if defined(KVSERVE_SIMD) && !defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0 && !std::is_same_v<scalar_t, double>) {
+    scores_avx2<scalar_t, kHeadDim>(qf.data(), k_cache, group, num_tokens, scores.data(), for_each_token);
+    exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
+    return values_avx2<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc, for_each_token);
+  }
+#endif
   bool in_registers = false;
 #if defined(__AVX512F__)
   constexpr bool kVectorised = RegisterPlan<kHeadDim>::kMaxGroup > 0 && !std::is_same_v<scalar_t, double>;
@@ -473,16 +517,24 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// prefill_attention.cpp
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                             torch::Tensor query_starts, torch::Tensor num_past, double scale, int64_t sliding_window,
-                             torch::Tensor out);
-bool has_prefill_attention();
+// prefill_attention.cpp, prefill_attention_fp32.cpp
+void paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                  torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
+                                  double scale, int64_t sliding_window, torch::Tensor out);
+bool has_prefill_attention_bf16();
+void paged_prefill_attention_fp32(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                  torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
+                                  double scale, int64_t sliding_window, torch::Tensor out);
+int64_t prefill_attention_fp32_head_dim_multiple();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_prefill_attention", &paged_prefill_attention,
+  m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
         "prefill attention over a paged KV cache, all segments of a step in one call (CPU, bf16, AVX512-BF16)");
-  m.def("has_prefill_attention", &has_prefill_attention, "whether paged_prefill_attention was built for this CPU");
+  m.def("has_prefill_attention_bf16", &has_prefill_attention_bf16, "whether the bf16 prefill kernel was built");
+  m.def("paged_prefill_attention_fp32", &paged_prefill_attention_fp32,
+        "prefill attention over a paged KV cache, all segments of a step in one call (CPU, fp32, AVX2 or AVX-512)");
+  m.def("prefill_attention_fp32_head_dim_multiple", &prefill_attention_fp32_head_dim_multiple,
+        "head_dim multiple the fp32 prefill kernel needs (0: not built)");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm of the residual (CPU)");

@@ -1,4 +1,5 @@
-// Prefill attention straight over the paged KV cache, for CPUs with AVX512-BF16 (bf16 models).
+// Prefill attention straight over the paged KV cache, for CPUs with AVX512-BF16 (bf16 models; fp32 models
+// have prefill_attention_fp32.cpp).
 //
 // Every prefill segment of a step (a sequence's new tokens, possibly continuing a cached past) in one call.
 // The new tokens' K/V are already in the cache, so keys are read through the block table whatever their age:
@@ -12,17 +13,22 @@
 //  2. attend: a task is a block of query rows (positions x the KV head's GQA group) that walks its causal key
 //     range in chunks with an online softmax (fp32 running max and sum, as flash attention does), so scratch
 //     stays in cache at any context length. Scores are fp32, probabilities bf16 for the PV product.
-// Tasks are handed out dynamically: causal blocks near the end of a prompt cost more than those at its start.
+// Segments and tasks are planned as for every prefill kernel (prefill_plan.h).
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "prefill_plan.h"
+#include "simd.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
 namespace {
+
+using prefill::Segment;
 
 constexpr int64_t kKeyTile = 16;     // keys per packed K tile: one zmm of fp32 scores
 constexpr int64_t kChunk = 256;      // keys per online-softmax step (a multiple of kKeyTile)
@@ -33,36 +39,12 @@ constexpr float kNoScore = -1e30f;   // not -inf: the kernels are built with -ff
 
 inline __m512bh as_bf16_pairs(__m512i x) { return (__m512bh)x; }
 
-// e^x for x <= 0 (softmax arguments): 2^(x log2 e) split into an integer power (vscalefps) and a degree-6
-// polynomial of the fraction; relative error ~2e-7, far below bf16's.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-struct Segment {
-  int64_t token_start, num_queries, num_past, key_begin, num_keys;  // keys [key_begin, key_begin + num_keys)
-  const int64_t* table;
-  int64_t packed_offset;  // bf16 elements into the packed K (and V) buffer, for KV head 0
-};
-
 // Copies keys [key_begin, key_begin + num_keys) of one KV head into the packed layouts; padding stays zero.
 void pack_head(const Segment& seg, const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
                int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, uint16_t* k_packed, uint16_t* v_packed) {
   const int64_t half = head_dim / 2;
   for (int64_t i = 0; i < seg.num_keys; ++i) {
-    const int64_t pos = seg.key_begin + i;
-    const int64_t slot = seg.table[pos / block_size] * block_size + pos % block_size;
+    const int64_t slot = prefill::key_slot(seg, i, block_size);
     const uint16_t* k_row = k_cache + (slot * num_kv_heads + kv_head) * head_dim;
     const uint16_t* v_row = v_cache + (slot * num_kv_heads + kv_head) * head_dim;
     uint32_t* tile = reinterpret_cast<uint32_t*>(k_packed + (i / kKeyTile) * kKeyTile * head_dim);
@@ -206,7 +188,7 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
       for (int64_t t = 0; t < num_tiles; ++t) {
         const __m512 v = _mm512_loadu_ps(row + t * kKeyTile);
         const __mmask16 visible = _mm512_cmp_ps_mask(v, _mm512_set1_ps(kNoScore), _CMP_GT_OQ);
-        const __m512 p = _mm512_maskz_mov_ps(visible, exp_nonpositive(_mm512_sub_ps(v, shift)));
+        const __m512 p = _mm512_maskz_mov_ps(visible, simd::exp_nonpositive(_mm512_sub_ps(v, shift)));
         sum_v = _mm512_add_ps(sum_v, p);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)_mm512_cvtneps_pbh(p));
       }
@@ -242,42 +224,23 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
 // num_kv_heads, head_dim] bf16, already holding the new tokens' K/V. Segment s covers query rows
 // [query_starts[s], query_starts[s + 1]) at context positions num_past[s].. ; block_tables: [segments,
 // max_blocks] int64. sliding_window <= 0 means none.
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                             torch::Tensor query_starts, torch::Tensor num_past, double scale, int64_t sliding_window,
-                             torch::Tensor out) {
+void paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                  torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
+                                  double scale, int64_t sliding_window, torch::Tensor out) {
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
               v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "paged_prefill_attention takes bf16 query, cache and output");
+              "paged_prefill_attention_bf16 takes bf16 query, cache and output");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "cache and out contiguous");
-  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kLong, "block_tables: int64");
-  TORCH_CHECK(query_starts.scalar_type() == torch::kLong && num_past.scalar_type() == torch::kLong,
-              "query_starts, num_past: int64");
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(head_dim % 64 == 0, "head_dim must be a multiple of 64");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   const Shape shape{head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0), sliding_window,
                     static_cast<float>(scale)};
-  const int64_t num_segments = num_past.size(0), max_blocks = block_tables.size(1);
-  const int64_t* starts = query_starts.data_ptr<int64_t>();
-  const int64_t* past = num_past.data_ptr<int64_t>();
-
-  std::vector<Segment> segments(num_segments);
   int64_t packed_size = 0;  // per KV head
-  for (int64_t s = 0; s < num_segments; ++s) {
-    Segment& seg = segments[s];
-    seg.token_start = starts[s];
-    seg.num_queries = starts[s + 1] - starts[s];
-    seg.num_past = past[s];
-    // A window hides keys older than the first query's window: they are never packed.
-    seg.key_begin = sliding_window > 0 ? std::max<int64_t>(0, seg.num_past - sliding_window + 1) : 0;
-    seg.num_keys = seg.num_past + seg.num_queries - seg.key_begin;
-    TORCH_CHECK((seg.num_past + seg.num_queries + block_size - 1) / block_size <= max_blocks, "block table too short");
-    seg.table = block_tables.data_ptr<int64_t>() + s * max_blocks;
-    seg.packed_offset = packed_size;
-    packed_size += (seg.num_keys + kChunk - 1) / kChunk * kChunk * head_dim;  // chunk-padded: reads stay inside
-  }
+  const std::vector<Segment> segments = prefill::plan_segments(block_tables, query_starts, num_past, block_size,
+                                                               head_dim, sliding_window, kChunk, packed_size);
   auto k_packed = torch::zeros({num_kv_heads, packed_size}, k_cache.options());
   auto v_packed = torch::zeros({num_kv_heads, packed_size}, v_cache.options());
   const uint16_t* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
@@ -286,50 +249,28 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   uint16_t* vp = reinterpret_cast<uint16_t*>(v_packed.data_ptr<at::BFloat16>());
   const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int threads = at::get_num_threads();
-
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t task = 0; task < num_segments * num_kv_heads; ++task) {
-    const Segment& seg = segments[task / num_kv_heads];
-    const int64_t h = task % num_kv_heads;
-    pack_head(seg, k_ptr, v_ptr, block_size, num_kv_heads, h, head_dim, kp + h * packed_size + seg.packed_offset,
-              vp + h * packed_size + seg.packed_offset);
-  }
-
-  struct Task { int64_t segment, kv_head, first, count; };
-  std::vector<Task> tasks;
-  const int64_t positions_per_task = std::max<int64_t>(1, kRowsTarget / shape.group);
-  for (int64_t s = 0; s < num_segments; ++s)
-    for (int64_t first = 0; first < segments[s].num_queries; first += positions_per_task)
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        tasks.push_back({s, h, first, std::min(positions_per_task, segments[s].num_queries - first)});
-  // Costliest first (the most keys), so the dynamic schedule ends with short tasks.
-  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
-    return segments[a.segment].num_past + a.first > segments[b.segment].num_past + b.first;
-  });
-
-#pragma omp parallel num_threads(threads)
-  {
-    Scratch scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      const Task& t = tasks[i];
-      const Segment& seg = segments[t.segment];
-      attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, kp + t.kv_head * packed_size + seg.packed_offset,
-                   vp + t.kv_head * packed_size + seg.packed_offset, out_ptr, scratch);
-    }
-  }
+  const std::vector<prefill::Task> tasks = prefill::plan_tasks(segments, num_kv_heads, shape.group, kRowsTarget);
+  prefill::run<Scratch>(
+      segments, tasks, num_kv_heads,
+      [&](const Segment& seg, int64_t h) {
+        pack_head(seg, k_ptr, v_ptr, block_size, num_kv_heads, h, head_dim, kp + h * packed_size + seg.packed_offset,
+                  vp + h * packed_size + seg.packed_offset);
+      },
+      [&](const prefill::Task& t, const Segment& seg, Scratch& scratch) {
+        attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, kp + t.kv_head * packed_size + seg.packed_offset,
+                     vp + t.kv_head * packed_size + seg.packed_offset, out_ptr, scratch);
+      });
 }
 
-bool has_prefill_attention() { return true; }
+bool has_prefill_attention_bf16() { return true; }
 
 #else
 
-void paged_prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                             double, int64_t, torch::Tensor) {
-  TORCH_CHECK(false, "paged_prefill_attention needs a CPU with AVX512-BF16");
+void paged_prefill_attention_bf16(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                                  torch::Tensor, double, int64_t, torch::Tensor) {
+  TORCH_CHECK(false, "the bf16 prefill attention kernel needs a CPU with AVX512-BF16");
 }
 
-bool has_prefill_attention() { return false; }
+bool has_prefill_attention_bf16() { return false; }
 
 #endif

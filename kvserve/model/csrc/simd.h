@@ -1,0 +1,101 @@
+// One fp32 vector type per ISA family the kernels are built for, so a kernel is written once over `Simd`
+// and compiled per family (kvserve/model/cpu_isa.py picks the compiler flags):
+//   AVX-512F: __m512, 16 lanes, 32 registers;  AVX2 + FMA + F16C: __m256, 8 lanes, 16 registers.
+// KVSERVE_SIMD is defined when either is; without it the kernels' scalar paths run.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define KVSERVE_SIMD 1
+#include <immintrin.h>
+
+namespace simd {
+
+#if defined(__AVX512F__)
+struct Simd {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kRegisters = 32;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  static V load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  static V round(V v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V scale_by_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+  static V keep_where_greater(V x, V v, V threshold) {  // x where v > threshold, else 0
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, threshold, _CMP_GT_OQ), x);
+  }
+};
+#else
+struct Simd {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kRegisters = 16;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  static V load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float reduce_add(V v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+  static float reduce_max(V v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  }
+  static V round(V v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V scale_by_pow2(V p, V n) {  // p * 2^n for integral n in [-126, 127]: n goes into the exponent bits
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+  static V keep_where_greater(V x, V v, V threshold) { return _mm256_and_ps(x, _mm256_cmp_ps(v, threshold, _CMP_GT_OQ)); }
+};
+#endif
+
+// e^x for x <= 0 (softmax arguments): 2^(x log2 e) split into an integer power and a degree-6 polynomial of
+// the fraction; relative error ~2e-7.
+inline Simd::V exp_nonpositive(Simd::V x) {
+  x = Simd::max(x, Simd::set1(-87.f));
+  const Simd::V t = Simd::mul(x, Simd::set1(1.44269504088896341f));
+  const Simd::V n = Simd::round(t);
+  const Simd::V f = Simd::mul(Simd::sub(t, n), Simd::set1(0.6931471805599453f));
+  Simd::V p = Simd::set1(1.f / 720.f);
+  p = Simd::fmadd(p, f, Simd::set1(1.f / 120.f));
+  p = Simd::fmadd(p, f, Simd::set1(1.f / 24.f));
+  p = Simd::fmadd(p, f, Simd::set1(1.f / 6.f));
+  p = Simd::fmadd(p, f, Simd::set1(0.5f));
+  p = Simd::fmadd(p, f, Simd::set1(1.f));
+  p = Simd::fmadd(p, f, Simd::set1(1.f));
+  return Simd::scale_by_pow2(p, n);
+}
+
+}  // namespace simd
+
+#endif
