@@ -1,4 +1,5 @@
-"""CPU attention kernels against the torch path they replace, measured in one run (bf16, SmolLM2's shape).
+"""CPU attention kernels against the torch path they replace, measured in one run (SmolLM2's shape, in the dtype
+`--dtype auto` picks on this CPU: bf16 with AVX512-BF16, fp32 otherwise; KVSERVE_CPU_ISA caps the family).
 
     python benchmarks/attention_kernels.py [--layers 30]
 
@@ -20,10 +21,12 @@ import torch
 
 from kvserve.cache.kv_storage import LayerKVCache
 from kvserve.model.attention import Attention
-from kvserve.model.cpu_kernels import cpu_kernels
+from kvserve.model.cpu_isa import native_bf16, selected_isa
+from kvserve.model.cpu_kernels import cpu_kernels, prefill_kernel
 from kvserve.model.paged_attention import DecodeGroup, _decode_portable
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+DTYPE = torch.bfloat16 if native_bf16() else torch.float32
 
 
 def per_call_ms(fn, repeat: int) -> float:
@@ -36,8 +39,8 @@ def per_call_ms(fn, repeat: int) -> float:
 
 def paged_layers(num_layers: int, num_blocks: int, generator: torch.Generator) -> list[LayerKVCache]:
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    return [LayerKVCache(torch.randn(shape, generator=generator).bfloat16(),
-                         torch.randn(shape, generator=generator).bfloat16()) for _ in range(num_layers)]
+    return [LayerKVCache(torch.randn(shape, generator=generator).to(DTYPE),
+                         torch.randn(shape, generator=generator).to(DTYPE)) for _ in range(num_layers)]
 
 
 def block_tables(context_lens: list[int], num_blocks: int, generator: torch.Generator) -> torch.Tensor:
@@ -46,6 +49,7 @@ def block_tables(context_lens: list[int], num_blocks: int, generator: torch.Gene
 
 
 def prefill_case(name: str, new_tokens: list[int], pasts: list[int], layers: int, kernels, generator) -> None:
+    prefill_fn = prefill_kernel(kernels, DTYPE, HEAD_DIM)
     contexts = [n + p for n, p in zip(new_tokens, pasts)]
     num_blocks = len(contexts) * -(-max(contexts) // BLOCK) + 1
     caches = paged_layers(layers, num_blocks, generator)
@@ -53,18 +57,18 @@ def prefill_case(name: str, new_tokens: list[int], pasts: list[int], layers: int
     starts = [0]
     for n in new_tokens:
         starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], HEADS, HEAD_DIM, generator=generator).bfloat16()
-    out = torch.empty(starts[-1], HEADS * HEAD_DIM, dtype=torch.bfloat16)
+    q = torch.randn(starts[-1], HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+    out = torch.empty(starts[-1], HEADS * HEAD_DIM, dtype=DTYPE)
     attn = Attention(HEADS, KV_HEADS, HEAD_DIM, None)
     inputs = (tables, torch.tensor(starts), torch.tensor(pasts))
     slots = [(tables[s].unsqueeze(1) * BLOCK + torch.arange(BLOCK)).flatten()[:contexts[s]] for s in range(len(contexts))]
     # Without a past the portable path attends over the step's own new K/V rows: nothing to gather.
-    new_kv = torch.randn(2, starts[-1], KV_HEADS, HEAD_DIM, generator=generator).bfloat16()
+    new_kv = torch.randn(2, starts[-1], KV_HEADS, HEAD_DIM, generator=generator).to(DTYPE)
     layer = iter(range(10**9))
 
     def kernel() -> None:
         cache = caches[next(layer) % layers]
-        kernels.paged_prefill_attention(q, cache.key, cache.value, *inputs, attn.scale, 0, out)
+        prefill_fn(q, cache.key, cache.value, *inputs, attn.scale, 0, out)
 
     def portable() -> None:  # what paged_attention's torch path does per segment
         cache = caches[next(layer) % layers]
@@ -86,8 +90,8 @@ def decode_case(layers: int, kernels, generator) -> None:
     num_blocks = num_seqs * -(-context // BLOCK) + 1
     caches = paged_layers(layers, num_blocks, generator)
     group = DecodeGroup(block_tables([context] * num_seqs, num_blocks, generator),
-                        torch.full((num_seqs,), context), context, BLOCK, None, use_kernel=False)
-    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=generator).bfloat16()
+                        torch.full((num_seqs,), context), context, BLOCK, None)
+    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
     attn = Attention(HEADS, KV_HEADS, HEAD_DIM, None)
     layer = iter(range(10**9))
 
@@ -107,10 +111,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="caches cycled through (30 = SmolLM2's depth)")
     args = parser.parse_args()
     kernels = cpu_kernels()
-    if kernels is None or not kernels.has_prefill_attention():
-        raise SystemExit("the CPU kernels did not build here, or this CPU lacks AVX512-BF16: nothing to compare")
+    if prefill_kernel(kernels, DTYPE, HEAD_DIM) is None:
+        raise SystemExit("the CPU kernels did not build here: nothing to compare")
     generator = torch.Generator().manual_seed(0)
-    print(f"bf16, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, torch {torch.__version__}, "
+    print(f"{selected_isa().label} kernels, {str(DTYPE).removeprefix('torch.')}, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; ms per layer")
     print(f"{'case':58} {'kernel':>9} {'torch path':>10} {'ratio':>8}")
     prefill_case("prefill: 5 prompts x 415 tokens, no past", [415] * 5, [0] * 5, args.layers, kernels, generator)

@@ -33,6 +33,17 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
+#if defined(KVSERVE_SIMD)
+// Asks for a cache row ahead of use: the context of a decode step is usually out of cache (30 layers of a
+// batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly.
+constexpr int64_t kPrefetchDistance = 64;  // tokens
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
+  for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+}
+#endif
+
 #if defined(__AVX512F__)
 using simd::Simd;
 
@@ -82,12 +93,6 @@ void values_avx512(const scalar_t* v_cache, const float* probs, int64_t group, i
 }
 
 #if defined(__AVX512BF16__)
-// Asks for a cache row ahead of use: the context of a decode step is usually out of cache (30 layers of a
-// batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly.
-constexpr int64_t kPrefetchDistance = 64;  // tokens
-inline void prefetch_row(const at::BFloat16* row, int64_t head_dim) {
-  for (int64_t byte = 0; byte < head_dim * 2; byte += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
-}
 
 // Lane i of the result is the horizontal sum of v[i]: a transpose-and-add tree, ~3 instructions per vector
 // where a reduction per vector takes ~10.
@@ -140,42 +145,48 @@ void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const std::
 #if defined(KVSERVE_SIMD) && !defined(__AVX512F__)
 // AVX2 has 16 registers: too few to hold a GQA group's query rows and accumulators at once, so each query row
 // walks the context on its own; rows after the first find the task's keys and values in L1/L2 (a task's
-// context is tens of KB).
-template <typename scalar_t, int kHeadDim, typename ForEachToken>
-void scores_avx2(const float* qf, const scalar_t* k_cache, int64_t group, int64_t num_tokens, float* scores,
-                 ForEachToken&& for_each_token) {
+// context is tens of KB), and the first asks for rows kPrefetchDistance tokens ahead.
+template <typename scalar_t, int kHeadDim>
+void scores_avx2(const float* qf, const scalar_t* k_cache, const std::vector<int64_t>& offsets, int64_t group,
+                 float* scores) {
   using simd::Simd;
   constexpr int kChunks = kHeadDim / Simd::kLanes;
   static_assert(kChunks % 2 == 0, "two accumulators per dot product");
+  const int64_t num_tokens = static_cast<int64_t>(offsets.size());
   for (int64_t g = 0; g < group; ++g) {
     Simd::V qv[kChunks];
     for (int c = 0; c < kChunks; ++c) qv[c] = Simd::load(qf + g * kHeadDim + c * Simd::kLanes);
     float* row_scores = scores + g * num_tokens;
-    for_each_token([&](int64_t t, int64_t offset) {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      if (g == 0 && t + kPrefetchDistance < num_tokens) prefetch_row(k_cache + offsets[t + kPrefetchDistance], kHeadDim);
+      const scalar_t* key = k_cache + offsets[t];
       Simd::V even = Simd::zero(), odd = Simd::zero();
       for (int c = 0; c < kChunks; c += 2) {
-        even = Simd::fmadd(qv[c], Simd::load(k_cache + offset + c * Simd::kLanes), even);
-        odd = Simd::fmadd(qv[c + 1], Simd::load(k_cache + offset + (c + 1) * Simd::kLanes), odd);
+        even = Simd::fmadd(qv[c], Simd::load(key + c * Simd::kLanes), even);
+        odd = Simd::fmadd(qv[c + 1], Simd::load(key + (c + 1) * Simd::kLanes), odd);
       }
       row_scores[t] = Simd::reduce_add(Simd::add(even, odd));
-    });
+    }
   }
 }
 
-template <typename scalar_t, int kHeadDim, typename ForEachToken>
-void values_avx2(const scalar_t* v_cache, const float* probs, int64_t group, int64_t num_tokens, float* acc,
-                 ForEachToken&& for_each_token) {
+template <typename scalar_t, int kHeadDim>
+void values_avx2(const scalar_t* v_cache, const std::vector<int64_t>& offsets, const float* probs, int64_t group,
+                 float* acc) {
   using simd::Simd;
   constexpr int kSlice = std::min(kHeadDim / Simd::kLanes, 8);  // accumulators per walk over the context
+  const int64_t num_tokens = static_cast<int64_t>(offsets.size());
   for (int64_t g = 0; g < group; ++g) {
     for (int d0 = 0; d0 < kHeadDim; d0 += kSlice * Simd::kLanes) {
       Simd::V sum[kSlice];
       for (int c = 0; c < kSlice; ++c) sum[c] = Simd::zero();
-      for_each_token([&](int64_t t, int64_t offset) {
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        if (g == 0 && d0 == 0 && t + kPrefetchDistance < num_tokens)
+          prefetch_row(v_cache + offsets[t + kPrefetchDistance], kHeadDim);
         const Simd::V p = Simd::set1(probs[g * num_tokens + t]);
-        for (int c = 0; c < kSlice; ++c)
-          sum[c] = Simd::fmadd(p, Simd::load(v_cache + offset + d0 + c * Simd::kLanes), sum[c]);
-      });
+        const scalar_t* value = v_cache + offsets[t] + d0;
+        for (int c = 0; c < kSlice; ++c) sum[c] = Simd::fmadd(p, Simd::load(value + c * Simd::kLanes), sum[c]);
+      }
       for (int c = 0; c < kSlice; ++c) Simd::store(acc + g * kHeadDim + d0 + c * Simd::kLanes, sum[c]);
     }
   }
@@ -262,9 +273,11 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   };
 #if defined(KVSERVE_SIMD) && !defined(__AVX512F__)
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0 && !std::is_same_v<scalar_t, double>) {
-    scores_avx2<scalar_t, kHeadDim>(qf.data(), k_cache, group, num_tokens, scores.data(), for_each_token);
+    offsets.clear();
+    for_each_token([&](int64_t, int64_t offset) { offsets.push_back(offset); });
+    scores_avx2<scalar_t, kHeadDim>(qf.data(), k_cache, offsets, group, scores.data());
     exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
-    return values_avx2<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc, for_each_token);
+    return values_avx2<scalar_t, kHeadDim>(v_cache, offsets, scores.data(), group, acc);
   }
 #endif
   bool in_registers = false;
