@@ -88,10 +88,14 @@ def test_idle_engine_thread_does_not_spin(engine, monkeypatch):
         return real()
 
     asyncio.run(collect_one(engine))
-    time.sleep(0.1)  # let the thread finish its last iteration and go to sleep
     monkeypatch.setattr(engine.engine, "has_unfinished_requests", counting)
     time.sleep(0.3)
-    assert calls["n"] == 0  # asleep on the condition variable
+    # Asleep on the condition variable: at most the checks of an iteration that was still finishing when the
+    # counter went in (on a loaded machine the thread may not have gone to sleep yet), then none; a spinning
+    # loop makes thousands of calls in this time.
+    settled = calls["n"]
+    time.sleep(0.3)
+    assert calls["n"] == settled <= 3
     asyncio.run(engine.shutdown())
 
 
