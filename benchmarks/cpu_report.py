@@ -114,7 +114,7 @@ def main() -> None:
     print(f"CPU: {detected_isa().label} detected, {selected_isa().label} selected"
           f"{' (capped by KVSERVE_CPU_ISA)' if selected_isa() != detected_isa() else ''}; "
           f"{os.cpu_count()} cores, torch {torch.__version__}")
-    print(cpu_dispatch_line(loaded.dtype, loaded.model.fused_kernels is not None))
+    print(cpu_dispatch_line(loaded.dtype, loaded.model.fused_kernels is not None, loaded.kv_dtype))
     texts = prompts()
     del loaded
     llama_gguf = args.llama_model or demo_gguf()

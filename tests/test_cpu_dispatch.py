@@ -13,7 +13,7 @@ from kvserve.config import ModelConfig
 from kvserve.model import cpu_isa
 from kvserve.model.cpu_isa import ISA_ENV, detected_isa, runnable_isas, selected_isa
 from kvserve.model.cpu_kernels import cpu_kernels, module_name
-from kvserve.model.loader import cpu_dispatch_line, load_model, resolve_dtype
+from kvserve.model.loader import cpu_dispatch_line, load_model, resolve_dtype, resolve_dtypes
 
 ZEN3 = frozenset("sse4_2 avx f16c fma avx2 bmi2".split())
 ZEN4 = ZEN3 | frozenset("avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16".split())
@@ -79,10 +79,25 @@ def test_auto_dtype_is_bf16_only_with_native_bf16(monkeypatch, checkpoint):
     assert resolve_dtype("auto", config_with("float32"), cpu) == torch.float32
 
 
+def test_auto_computes_16_bit_checkpoints_in_fp32_and_keeps_their_kv_in_16_bits(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    with_flags(monkeypatch, ZEN3)
+    assert resolve_dtypes("auto", config_with("bfloat16"), cpu) == (torch.float32, torch.bfloat16)
+    assert resolve_dtypes("auto", config_with("float16"), cpu) == (torch.float32, torch.float16)
+    assert resolve_dtypes("auto", config_with("float32"), cpu) == (torch.float32, torch.float32)
+    assert resolve_dtypes("float32", config_with("bfloat16"), cpu) == (torch.float32, torch.float32)
+    with_flags(monkeypatch, ZEN4)
+    assert resolve_dtypes("auto", config_with("bfloat16"), cpu) == (torch.bfloat16, torch.bfloat16)
+    assert resolve_dtypes("auto", config_with("float16"), cpu) == (torch.bfloat16, torch.bfloat16)
+
+
 def test_dispatch_line_says_what_was_chosen_and_why(monkeypatch):
     with_flags(monkeypatch, ZEN3)
     monkeypatch.delenv(ISA_ENV, raising=False)
     assert cpu_dispatch_line(torch.float32, True) == "CPU: AVX2+FMA, no native bf16 -> float32 compute, AVX2+FMA kernels"
+    assert cpu_dispatch_line(torch.float32, True, torch.bfloat16) == (
+        "CPU: AVX2+FMA, no native bf16 -> float32 compute, bfloat16 KV cache, AVX2+FMA kernels")
     assert "float32 computes faster" in cpu_dispatch_line(torch.bfloat16, True)
     with_flags(monkeypatch, ZEN4)
     assert cpu_dispatch_line(torch.bfloat16, False) == (

@@ -6,6 +6,7 @@ than the portable path's does. Chunked prefill and prefix caching make segments 
 """
 
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ModelLoadError
@@ -25,7 +26,7 @@ PROMPTS = [
 ]
 
 
-def first_token_logprobs(dtype: str, use_kernels: bool) -> list[dict[int, float]]:
+def first_token_logprobs(dtype: str, use_kernels: bool = True) -> list[dict[int, float]]:
     # 128-token chunks and prefix caching: the long prompts are prefilled in chunks over a cached past.
     llm = LLM(None, dtype=dtype, device="cpu", kv_cache_memory=0.25, max_model_len=1024, max_num_batched_tokens=128,
               enable_prefix_caching=True)
@@ -53,3 +54,26 @@ def test_bf16_kernels_are_as_close_to_fp32_as_the_portable_path():
     portable = first_token_logprobs("bfloat16", use_kernels=False)
     kernel_error, portable_error = mean_error(with_kernels, reference), mean_error(portable, reference)
     assert kernel_error < 1.5 * portable_error + 0.02, (kernel_error, portable_error)
+
+
+@pytest.mark.slow
+def test_fp32_compute_over_a_bf16_cache_is_closer_to_fp32_than_bf16_is(monkeypatch):
+    """What --dtype auto runs on a CPU without native bf16 (capped here to AVX2): fp32 compute, K/V kept in the
+    checkpoint's bf16 and widened by the AVX2 kernels as they read. Only the cache is rounded, so its error
+    from fp32 must be well under bf16's (where everything is rounded)."""
+    from kvserve.model.cpu_isa import ISA_ENV, runnable_isas
+
+    if "avx2" not in [isa.name for isa in runnable_isas()]:
+        pytest.skip("this CPU has no AVX2")
+    reference = first_token_logprobs("float32", use_kernels=False)
+    bf16 = first_token_logprobs("bfloat16", use_kernels=False)
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    llm_check = LLM(None, dtype="auto", device="cpu", kv_cache_memory=0.05, max_model_len=256)
+    runner = llm_check.engine.runner
+    assert runner.kv_caches[0].key.dtype == torch.bfloat16 and runner.model.dtype == torch.float32
+    if cpu_kernels() is not None:
+        assert runner.decode_kernel is not None and runner.prefill_kernel is not None
+    del llm_check
+    auto = first_token_logprobs("auto")
+    auto_error, bf16_error = mean_error(auto, reference), mean_error(bf16, reference)
+    assert auto_error < 0.5 * bf16_error, (auto_error, bf16_error)

@@ -56,3 +56,27 @@ def test_cuda_profiling_forwards_run_through_the_portable_path(kind, tiny_model_
                                       max_num_batched_tokens=64, max_num_seqs=4)
     loaded = load_model(str(folder), "float32", "cpu")
     run_profiling_passes(config, loaded, torch.device("cpu"))
+
+
+def test_auto_on_a_cpu_without_native_bf16_keeps_kv_in_the_checkpoints_16_bits(monkeypatch):
+    """--dtype auto computes the demo (a bf16 checkpoint once dequantized) in fp32 on an AVX2 CPU, and keeps K/V
+    in bf16: half the bytes per token, so twice the tokens in the same pool, as the planner counts them."""
+    from kvserve.config import ModelLoadError
+    from kvserve.model.cpu_isa import ISA_ENV, runnable_isas
+    from kvserve.model.demo import demo_model_path
+
+    try:
+        demo = demo_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(f"demo model not installed: {exc}")
+    if "avx2" not in [isa.name for isa in runnable_isas()]:
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    llm = LLM(None, dtype="auto", device="cpu", kv_cache_memory=0.05, max_model_len=256)
+    spec = load_spec(str(demo))
+    assert llm.engine.runner.model.dtype == torch.float32
+    assert llm.engine.runner.kv_caches[0].key.dtype == torch.bfloat16
+    block_bytes = kv_block_bytes(spec, 16, "bfloat16", "float32")
+    assert 2 * block_bytes == kv_block_bytes(spec, 16, "float32", "float32")
+    assert llm.engine.pool.block_bytes == block_bytes
+    assert llm.engine.kv_cache.num_blocks == num_blocks_for_pool(int(0.05 * GIB), block_bytes)

@@ -40,12 +40,12 @@ def reference(q, cache, tables, lens, spec, block_size, window):
     return torch.stack(outs)
 
 
-def decode_case(dtype, heads, kv_heads, head_dim, window):
+def decode_case(dtype, heads, kv_heads, head_dim, window, cache_dtype=None):
     generator = torch.Generator().manual_seed(0)
     block_size, num_blocks, num_seqs = 16, 64, 5
     cache = LayerKVCache(
-        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
-        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype or dtype),
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype or dtype),
     )
     lens = torch.tensor([1, 17, 40, 64, 100])
     max_blocks = -(-int(lens.max()) // block_size)
@@ -72,13 +72,20 @@ def test_portable_path_matches_dense_attention(dtype, heads, kv_heads, head_dim,
     assert torch.equal(_decode_portable(spec, q.view(num_seqs, -1), cache, bounded).float(), portable)
 
 
+# (query dtype, cache dtype): the model's own, and an fp32 model's 16-bit cache (what --dtype auto keeps on a CPU
+# without native bf16), which the kernels widen as they read.
+DTYPE_PAIRS = pytest.mark.parametrize("dtype,cache_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16)], ids=str)
+
+
 @FAMILIES
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@DTYPE_PAIRS
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 2, 40)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_decode_kernel_matches_dense_attention(isa, dtype, heads, kv_heads, head_dim, window):
+def test_decode_kernel_matches_dense_attention(isa, dtype, cache_dtype, heads, kv_heads, head_dim, window):
     kernels = kernels_for(isa)
-    cache, tables, lens, q = decode_case(dtype, heads, kv_heads, head_dim, window)
+    cache, tables, lens, q = decode_case(dtype, heads, kv_heads, head_dim, window, cache_dtype)
     spec = Spec(heads, kv_heads, head_dim)
     expected = reference(q, cache, tables, lens, spec, 16, window)
     got = kernels.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0)
@@ -120,23 +127,25 @@ PREFILL_CASES = {
 
 
 @FAMILIES
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16), (torch.float32, torch.float16)],
+                         ids=str)
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_prefill_kernel_matches_dense_attention(isa, dtype, case):
+def test_prefill_kernel_matches_dense_attention(isa, dtype, cache_dtype, case):
     """All prefill segments of a step in one call, reading K/V through block tables; rows outside the segments
     (the step's decodes) are left alone, and q may be a strided view of the fused qkv activation. bf16 runs
     where the family has bf16 dot products (AVX512-BF16), fp32 on AVX2 and AVX-512."""
     heads, kv_heads, head_dim, lengths, pasts, window = PREFILL_CASES[case]
-    kernel = prefill_kernel(kernels_for(isa), dtype, head_dim)
+    kernel = prefill_kernel(kernels_for(isa), dtype, head_dim, cache_dtype)
     if kernel is None:
-        pytest.skip(f"no {dtype} prefill kernel in the {isa} family")
+        pytest.skip(f"no {dtype} prefill kernel over a {cache_dtype} cache in the {isa} family")
     generator = torch.Generator().manual_seed(0)
     block_size, num_decode_rows = 16, 3
     blocks_per_seq = [-(-(n + p) // block_size) for n, p in zip(lengths, pasts)]
     num_blocks = sum(blocks_per_seq) + 4
     cache = LayerKVCache(
-        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
-        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype),
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype),
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype),
     )
     order = torch.randperm(num_blocks, generator=generator).tolist()
     tables, used = [], 0

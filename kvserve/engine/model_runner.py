@@ -16,7 +16,7 @@ from kvserve.cache.kv_storage import LayerKVCache
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.cpu_kernels import cpu_kernels, prefill_kernel
+from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
 
@@ -61,10 +61,10 @@ class ModelRunner:
         if device.type == "cpu":
             model.pack_weights_for_cpu()
         kernels = cpu_kernels() if device.type == "cpu" else None
-        # The CPU kernels read the cache in the model's dtype; None: the portable torch path.
-        self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
-        same_dtype = kv_caches[0].key.dtype == model.dtype
-        self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim) if same_dtype else None
+        # The CPU kernels for this model and cache dtype; None: the portable torch path.
+        cache_dtype = kv_caches[0].key.dtype
+        self.decode_kernel = decode_kernel(kernels, model.dtype, cache_dtype)
+        self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim, cache_dtype)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:

@@ -64,8 +64,9 @@ class PoolPlan:
         )
 
 
-def kv_storage_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    return model_dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
+def kv_storage_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+    """--kv-cache-dtype, or under auto the model's (the checkpoint's 16 bits when auto computes it in fp32)."""
+    return loaded.kv_dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -76,7 +77,8 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
     cache = config.cache
     spec = spec_from_hf_config(loaded.hf_config, source=str(loaded.path))
     block_bytes = kv_block_bytes(
-        spec, cache.block_size, cache.kv_cache_dtype, _dtype_name(loaded.dtype), config.parallel.tensor_parallel_size
+        spec, cache.block_size, _dtype_name(kv_storage_dtype(config, loaded)), _dtype_name(loaded.dtype),
+        config.parallel.tensor_parallel_size,
     )
     model_limit = loaded.config.max_position_embeddings
     if (config.scheduler.max_model_len or 0) > model_limit:
@@ -100,7 +102,7 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
             f"Lower --max-model-len or give the pool more memory."
         )
     return PoolPlan(num_blocks, cache.block_size, block_bytes, max_model_len,
-                    kv_storage_dtype(config, loaded.dtype), source)
+                    kv_storage_dtype(config, loaded), source)
 
 
 def _cuda_blocks(config: EngineConfig, loaded: LoadedModel, device: torch.device, block_bytes: int) -> tuple[int, str]:

@@ -31,16 +31,29 @@ def cpu_kernels(isa: CpuIsa | None = None):
     return _build(isa or selected_isa())
 
 
-def prefill_kernel(kernels, dtype: torch.dtype, head_dim: int):
-    """The module's prefill attention function for this dtype and head size, or None (the portable path)."""
+def prefill_kernel(kernels, dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None):
+    """The module's prefill attention function for this model dtype, cache dtype (default: the model's) and head
+    size, or None (the portable path)."""
+    cache_dtype = cache_dtype or dtype
     if kernels is None:
         return None
-    if dtype == torch.bfloat16 and kernels.has_prefill_attention_bf16() and head_dim % 64 == 0:
+    if dtype == cache_dtype == torch.bfloat16 and kernels.has_prefill_attention_bf16() and head_dim % 64 == 0:
         return kernels.paged_prefill_attention_bf16
     multiple = kernels.prefill_attention_fp32_head_dim_multiple()
-    if dtype == torch.float32 and multiple and head_dim % multiple == 0:
+    if dtype == torch.float32 and cache_dtype in READABLE_CACHE_DTYPES[dtype] and multiple and head_dim % multiple == 0:
         return kernels.paged_prefill_attention_fp32
     return None
+
+
+def decode_kernel(kernels, dtype: torch.dtype, cache_dtype: torch.dtype):
+    """The module's decode attention function when it reads this cache under this model dtype, else None."""
+    if kernels is None or (cache_dtype != dtype and cache_dtype not in READABLE_CACHE_DTYPES.get(dtype, ())):
+        return None
+    return kernels.paged_decode_attention
+
+
+# Caches the kernels read under a model dtype besides its own: an fp32 model's 16-bit cache, widened on load.
+READABLE_CACHE_DTYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16)}
 
 
 def kernel_families() -> list[CpuIsa]:

@@ -41,6 +41,10 @@ class LoadedModel:
     name: str  # what the server calls it by default
     dtype: torch.dtype
     hf_config: dict  # the config.json dict (translated from metadata for GGUF), for the planner
+    kv_dtype: torch.dtype | None = None  # the KV cache's dtype under --kv-cache-dtype auto; None: `dtype`
+
+    def __post_init__(self) -> None:
+        self.kv_dtype = self.kv_dtype or self.dtype
 
     @property
     def weights_bytes(self) -> int:
@@ -74,31 +78,50 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    return resolve_dtypes(dtype, config, device)[0]
+
+
+def resolve_dtypes(dtype: str, config: ModelConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(compute dtype, the KV cache's dtype under --kv-cache-dtype auto).
+
+    The KV cache follows the model's dtype, as in vLLM. When `--dtype auto` computes a 16-bit checkpoint in
+    fp32 (a CPU without native bf16, where fp32 matmuls are the fast ones), the model's dtype is still the
+    checkpoint's: K/V stay in it, with half fp32's bytes (twice the tokens in the pool, half the bandwidth
+    per decode step), and the kernels widen them as they read.
+    """
     name = DTYPE_ALIASES.get(dtype, dtype)
+    kv_name = None
     if name == "auto":
         name = str(config.torch_dtype or "bfloat16").removeprefix("torch.")
         if name not in DTYPES:
             name = "bfloat16"
-        if device.type == "cpu" and name != "float32":
+        if device.type == "cpu" and name != "float32" and not native_bf16():
             # bf16 only where the CPU has bf16 dot products (AVX512-BF16, AMX); elsewhere torch's bf16 and fp16
             # matmuls run at a fraction of fp32's speed.
-            name = "bfloat16" if native_bf16() else "float32"
+            name, kv_name = "float32", name
+        elif device.type == "cpu" and name == "float16":
+            name = "bfloat16"  # bf16 dot products are native here, fp16 ones are not
         if name == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
             name = "float16"  # GPUs before Ampere only emulate bf16
     if name not in DTYPES:
         raise ValueError(f"--dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}")
-    return DTYPES[name]
+    return DTYPES[name], DTYPES[kv_name or name]
 
 
-def cpu_dispatch_line(dtype: torch.dtype, kernels_built: bool) -> str:
-    """One line for the start-up log: what this CPU has, and the compute dtype and kernels chosen for it."""
+def cpu_dispatch_line(dtype: torch.dtype, kernels_built: bool, kv_dtype: torch.dtype | None = None) -> str:
+    """One line for the start-up log: what this CPU has, and the compute dtype, KV dtype and kernels chosen."""
     isa = selected_isa()
     bf16 = "native bf16" if native_bf16() else "no native bf16"
     kernels = f"{isa.label} kernels" if kernels_built else "portable torch path (no CPU kernels)"
-    line = f"CPU: {isa.label}, {bf16} -> {str(dtype).removeprefix('torch.')} compute, {kernels}"
+    kv = "" if kv_dtype in (None, dtype) else f", {_name(kv_dtype)} KV cache"
+    line = f"CPU: {isa.label}, {bf16} -> {_name(dtype)} compute{kv}, {kernels}"
     if dtype != torch.float32 and not native_bf16():
         line += " (float32 computes faster on this CPU: --dtype auto picks it)"
     return line
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def load_model(model: str | None = None, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
@@ -110,7 +133,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     else:
         source = _HFSource(path)
     config = ModelConfig.from_hf_dict(source.config, source=str(source.config_file))
-    torch_dtype = resolve_dtype(dtype, config, device)
+    torch_dtype, kv_dtype = resolve_dtypes(dtype, config, device)
     tokenizer = source.tokenizer()
     with torch.device(device):
         net = LlamaForCausalLM(config, torch_dtype)
@@ -119,7 +142,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     net.eval()
     net.use_fused_kernels(device.type == "cpu")
     if device.type == "cpu":
-        logger.info("%s", cpu_dispatch_line(torch_dtype, net.fused_kernels is not None))
+        logger.info("%s", cpu_dispatch_line(torch_dtype, net.fused_kernels is not None, kv_dtype))
     weights_bytes = net.weight_bytes()
     num_params = sum(p.numel() for p in net.parameters())
     name = DEMO_MODEL_NAME if model is None else str(model)
@@ -129,7 +152,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
         weights_bytes / 2**20, time.perf_counter() - started,
     )
     return LoadedModel(
-        net, config, tokenizer, source.generation_config(), path, name, torch_dtype, source.config
+        net, config, tokenizer, source.generation_config(), path, name, torch_dtype, source.config, kv_dtype
     )
 
 

@@ -241,8 +241,9 @@ void exp_rows(float* scores, int64_t group, int64_t num_tokens, float* row_max, 
 // [group x head_dim unnormalised sums | group row maxima | group row sums] (see merge_partials).
 // kHeadDim > 0 fixes the head size at compile time so the inner loops unroll into whole SIMD registers;
 // 0 takes it from `runtime_head_dim`.
-template <typename scalar_t, int kHeadDim>
-void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+// q_t is the query's dtype, scalar_t the cache's: an fp32 model may keep a 16-bit cache (half the bytes).
+template <typename q_t, typename scalar_t, int kHeadDim>
+void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                  int64_t end_token, int64_t first_token, int64_t block_size, int64_t num_kv_heads,
                  int64_t kv_head, int64_t group, int64_t runtime_head_dim, float scale, float* partial,
                  std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& row,
@@ -289,7 +290,7 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
 #if defined(__AVX512F__)
     if constexpr (kVectorised) {
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHeadDim % 32 == 0) {
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<q_t, at::BFloat16> && kHeadDim % 32 == 0) {
         offsets.clear();
         for_each_token([&](int64_t, int64_t offset) { offsets.push_back(offset); });
         scores_bf16<kHeadDim>(q, k_cache, offsets, group, scale, scores.data());
@@ -351,8 +352,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kLong, "block_tables: int64");
   TORCH_CHECK(context_lens.scalar_type() == torch::kLong, "context_lens: int64");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "KV cache and query must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() ||
+              (q.scalar_type() == torch::kFloat && (k_cache.scalar_type() == torch::kBFloat16 ||
+                                                   k_cache.scalar_type() == torch::kHalf)),
+              "the KV cache must be in the query's dtype, or bf16/fp16 under an fp32 query");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
@@ -379,13 +383,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   }
   const int64_t partial_size = group * (head_dim + 2);
   std::vector<float> partials(parts.size() * partial_size);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-    scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    auto task_fn = head_dim == 64 ? decode_task<scalar_t, 64>
-                   : head_dim == 128 ? decode_task<scalar_t, 128> : decode_task<scalar_t, 0>;
+  auto run = [&](auto* q_ptr, const auto* k_ptr, const auto* v_ptr) {
+    using q_t = std::remove_pointer_t<decltype(q_ptr)>;
+    using cache_t = std::remove_const_t<std::remove_pointer_t<decltype(k_ptr)>>;
+    auto task_fn = head_dim == 64 ? decode_task<q_t, cache_t, 64>
+                   : head_dim == 128 ? decode_task<q_t, cache_t, 128> : decode_task<q_t, cache_t, 0>;
+    q_t* out_ptr = out.data_ptr<q_t>();
     at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, qf, row;
       std::vector<int64_t> offsets;
@@ -401,7 +404,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         merge_partials(partials.data() + pair_start[pair] * partial_size, pair_start[pair + 1] - pair_start[pair],
                        group, head_dim, out_ptr + pair * group * head_dim);
     });
-  });
+  };
+  if (k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat) {
+    run(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  } else if (k_cache.scalar_type() == torch::kHalf && q.scalar_type() == torch::kFloat) {
+    run(q.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+      run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+    });
+  }
   return out;
 }
 

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "prefill_plan.h"
@@ -34,14 +35,21 @@ constexpr int kQKRows = Simd::kRegisters >= 32 ? 8 : 4;
 constexpr int kPVRows = Simd::kRegisters >= 32 ? 6 : 2;
 constexpr float kNoScore = -1e30f;        // not -inf: the kernels are built with -ffast-math
 
-void pack_head(const Segment& seg, const float* k_cache, const float* v_cache, int64_t block_size,
+// A 16-bit cache (bf16 or fp16 under an fp32 model) is widened here, once per key, never in the inner loops.
+template <typename cache_t>
+void pack_head(const Segment& seg, const cache_t* k_cache, const cache_t* v_cache, int64_t block_size,
                int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, float* k_packed, float* v_packed) {
   for (int64_t i = 0; i < seg.num_keys; ++i) {
     const int64_t slot = prefill::key_slot(seg, i, block_size);
-    const float* k_row = k_cache + (slot * num_kv_heads + kv_head) * head_dim;
+    const cache_t* k_row = k_cache + (slot * num_kv_heads + kv_head) * head_dim;
+    const cache_t* v_row = v_cache + (slot * num_kv_heads + kv_head) * head_dim;
     float* tile = k_packed + (i / kLanes) * kLanes * head_dim + i % kLanes;
-    for (int64_t d = 0; d < head_dim; ++d) tile[d * kLanes] = k_row[d];
-    std::memcpy(v_packed + i * head_dim, v_cache + (slot * num_kv_heads + kv_head) * head_dim, head_dim * sizeof(float));
+    for (int64_t d = 0; d < head_dim; ++d) tile[d * kLanes] = static_cast<float>(k_row[d]);
+    if constexpr (std::is_same_v<cache_t, float>) {
+      std::memcpy(v_packed + i * head_dim, v_row, head_dim * sizeof(float));
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) v_packed[i * head_dim + d] = static_cast<float>(v_row[d]);
+    }
   }
 }
 
@@ -201,13 +209,16 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
 }  // namespace
 
 // Same contract as paged_prefill_attention_bf16, in fp32: q [tokens, num_heads, head_dim] (token stride free),
-// out [tokens, num_heads * head_dim] written only at the segments' rows, caches holding the new tokens' K/V.
+// out [tokens, num_heads * head_dim] written only at the segments' rows, caches holding the new tokens' K/V
+// (fp32, or bf16/fp16 under an fp32 model, widened while packing).
 void paged_prefill_attention_fp32(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                   torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
                                   double scale, int64_t sliding_window, torch::Tensor out) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
-              "paged_prefill_attention_fp32 takes fp32 query, cache and output");
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat &&
+              v_cache.scalar_type() == cache_type &&
+              (cache_type == torch::kFloat || cache_type == torch::kBFloat16 || cache_type == torch::kHalf),
+              "paged_prefill_attention_fp32 takes an fp32 query and output, and an fp32, bf16 or fp16 cache");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "cache and out contiguous");
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
@@ -219,10 +230,8 @@ void paged_prefill_attention_fp32(torch::Tensor q, torch::Tensor k_cache, torch:
   int64_t packed_size = 0;
   const std::vector<Segment> segments = prefill::plan_segments(block_tables, query_starts, num_past, block_size,
                                                                head_dim, sliding_window, kChunk, packed_size);
-  auto k_packed = torch::zeros({num_kv_heads, packed_size}, k_cache.options());
-  auto v_packed = torch::zeros({num_kv_heads, packed_size}, v_cache.options());
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
+  auto k_packed = torch::zeros({num_kv_heads, packed_size}, q.options());
+  auto v_packed = torch::zeros({num_kv_heads, packed_size}, q.options());
   float* kp = k_packed.data_ptr<float>();
   float* vp = v_packed.data_ptr<float>();
   const float* q_ptr = q.data_ptr<float>();
@@ -231,8 +240,17 @@ void paged_prefill_attention_fp32(torch::Tensor q, torch::Tensor k_cache, torch:
   prefill::run<Scratch>(
       segments, tasks, num_kv_heads,
       [&](const Segment& seg, int64_t h) {
-        pack_head(seg, k_ptr, v_ptr, block_size, num_kv_heads, h, head_dim, kp + h * packed_size + seg.packed_offset,
-                  vp + h * packed_size + seg.packed_offset);
+        float* k_dst = kp + h * packed_size + seg.packed_offset;
+        float* v_dst = vp + h * packed_size + seg.packed_offset;
+        if (cache_type == torch::kBFloat16)
+          pack_head(seg, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_size, num_kv_heads,
+                    h, head_dim, k_dst, v_dst);
+        else if (cache_type == torch::kHalf)
+          pack_head(seg, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), block_size, num_kv_heads, h,
+                    head_dim, k_dst, v_dst);
+        else
+          pack_head(seg, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_size, num_kv_heads, h, head_dim,
+                    k_dst, v_dst);
       },
       [&](const prefill::Task& t, const Segment& seg, Scratch& scratch) {
         attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, kp + t.kv_head * packed_size + seg.packed_offset,
