@@ -27,6 +27,7 @@ from kvserve.model.paged_attention import DecodeGroup, _decode_portable
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DTYPE = torch.bfloat16 if native_bf16() else torch.float32
+CACHE_DTYPE = torch.bfloat16  # what auto keeps for the demo's bf16 weights, under either compute dtype
 
 
 def per_call_ms(fn, repeat: int) -> float:
@@ -39,8 +40,8 @@ def per_call_ms(fn, repeat: int) -> float:
 
 def paged_layers(num_layers: int, num_blocks: int, generator: torch.Generator) -> list[LayerKVCache]:
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    return [LayerKVCache(torch.randn(shape, generator=generator).to(DTYPE),
-                         torch.randn(shape, generator=generator).to(DTYPE)) for _ in range(num_layers)]
+    return [LayerKVCache(torch.randn(shape, generator=generator).to(CACHE_DTYPE),
+                         torch.randn(shape, generator=generator).to(CACHE_DTYPE)) for _ in range(num_layers)]
 
 
 def block_tables(context_lens: list[int], num_blocks: int, generator: torch.Generator) -> torch.Tensor:
@@ -49,7 +50,7 @@ def block_tables(context_lens: list[int], num_blocks: int, generator: torch.Gene
 
 
 def prefill_case(name: str, new_tokens: list[int], pasts: list[int], layers: int, kernels, generator) -> None:
-    prefill_fn = prefill_kernel(kernels, DTYPE, HEAD_DIM)
+    prefill_fn = prefill_kernel(kernels, DTYPE, HEAD_DIM, CACHE_DTYPE)
     contexts = [n + p for n, p in zip(new_tokens, pasts)]
     num_blocks = len(contexts) * -(-max(contexts) // BLOCK) + 1
     caches = paged_layers(layers, num_blocks, generator)
@@ -75,8 +76,8 @@ def prefill_case(name: str, new_tokens: list[int], pasts: list[int], layers: int
         for s in range(len(contexts)):
             rows = slice(starts[s], starts[s + 1])
             if pasts[s]:
-                keys = cache.flat_key.index_select(0, slots[s])
-                values = cache.flat_value.index_select(0, slots[s])
+                keys = cache.flat_key.index_select(0, slots[s]).to(DTYPE)
+                values = cache.flat_value.index_select(0, slots[s]).to(DTYPE)
             else:
                 keys, values = new_kv[0, rows], new_kv[1, rows]
             out[rows] = attn.attend(q[rows], keys, values, pasts[s])
@@ -111,10 +112,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="caches cycled through (30 = SmolLM2's depth)")
     args = parser.parse_args()
     kernels = cpu_kernels()
-    if prefill_kernel(kernels, DTYPE, HEAD_DIM) is None:
+    if prefill_kernel(kernels, DTYPE, HEAD_DIM, CACHE_DTYPE) is None:
         raise SystemExit("the CPU kernels did not build here: nothing to compare")
     generator = torch.Generator().manual_seed(0)
-    print(f"{selected_isa().label} kernels, {str(DTYPE).removeprefix('torch.')}, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, torch {torch.__version__}, "
+    print(f"{selected_isa().label} kernels, {str(DTYPE).removeprefix('torch.')} over a "
+          f"{str(CACHE_DTYPE).removeprefix('torch.')} cache, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; ms per layer")
     print(f"{'case':58} {'kernel':>9} {'torch path':>10} {'ratio':>8}")
     prefill_case("prefill: 5 prompts x 415 tokens, no past", [415] * 5, [0] * 5, args.layers, kernels, generator)
