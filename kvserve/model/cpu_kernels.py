@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model.cpu_isa import CpuIsa, runnable_isas, selected_isa
+from kvserve.model.cpu_isa import CpuIsa, selected_isa
 
 logger = logging.getLogger("kvserve.model")
 
@@ -54,11 +54,6 @@ def decode_kernel(kernels, dtype: torch.dtype, cache_dtype: torch.dtype):
 
 # Caches the kernels read under a model dtype besides its own: an fp32 model's 16-bit cache, widened on load.
 READABLE_CACHE_DTYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16)}
-
-
-def kernel_families() -> list[CpuIsa]:
-    """The families whose kernels build and run here (tests check each against the reference)."""
-    return [isa for isa in runnable_isas() if _build(isa) is not None]
 
 
 def module_name(isa: CpuIsa) -> str:
