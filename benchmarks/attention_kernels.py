@@ -8,7 +8,9 @@ prefill: the paged prefill kernel (every segment of a step in one call, K/V read
          on a 64-token chunk continuing a 2,000-token cached past (which the portable path must gather first);
 decode:  the paged decode kernel vs the portable path (one index_select gather + two matmuls per layer), at
          32 sequences x 450 tokens, cycling through `--layers` layers' caches so the KV comes from DRAM as in a
-         real decode step.
+         real decode step;
+quantized decode: the decode kernel over a 4,096-token context (8 sequences) with the cache in bf16, fp8_e4m3,
+         int8 and int4 (--kv-cache-dtype), each against bf16: fewer bytes per token read from DRAM.
 Prints milliseconds per layer for each and the ratio.
 """
 
@@ -19,10 +21,10 @@ import time
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.kv_storage import LayerKVCache, allocate_kv_storage
 from kvserve.model.attention import Attention
 from kvserve.model.cpu_isa import native_bf16, selected_isa
-from kvserve.model.cpu_kernels import cpu_kernels, prefill_kernel
+from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel
 from kvserve.model.paged_attention import DecodeGroup, _decode_portable
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -50,10 +52,10 @@ def block_tables(context_lens: list[int], num_blocks: int, generator: torch.Gene
 
 
 def prefill_case(name: str, new_tokens: list[int], pasts: list[int], layers: int, kernels, generator) -> None:
-    prefill_fn = prefill_kernel(kernels, DTYPE, HEAD_DIM, CACHE_DTYPE)
     contexts = [n + p for n, p in zip(new_tokens, pasts)]
     num_blocks = len(contexts) * -(-max(contexts) // BLOCK) + 1
     caches = paged_layers(layers, num_blocks, generator)
+    prefill_fn = prefill_kernel(kernels, DTYPE, HEAD_DIM, caches[0])
     tables = block_tables(contexts, num_blocks, generator)
     starts = [0]
     for n in new_tokens:
@@ -69,7 +71,7 @@ def prefill_case(name: str, new_tokens: list[int], pasts: list[int], layers: int
 
     def kernel() -> None:
         cache = caches[next(layer) % layers]
-        prefill_fn(q, cache.key, cache.value, *inputs, attn.scale, 0, out)
+        prefill_fn(q, cache, *inputs, attn.scale, 0, out)
 
     def portable() -> None:  # what paged_attention's torch path does per segment
         cache = caches[next(layer) % layers]
@@ -95,10 +97,10 @@ def decode_case(layers: int, kernels, generator) -> None:
     q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
     attn = Attention(HEADS, KV_HEADS, HEAD_DIM, None)
     layer = iter(range(10**9))
+    decode_fn = decode_kernel(kernels, DTYPE, caches[0])
 
     def kernel() -> None:
-        cache = caches[next(layer) % layers]
-        kernels.paged_decode_attention(q, cache.key, cache.value, group.block_tables, group.context_lens, attn.scale, 0)
+        decode_fn(q, caches[next(layer) % layers], group.block_tables, group.context_lens, attn.scale, 0)
 
     def portable() -> None:
         _decode_portable(attn, q.view(num_seqs, -1), caches[next(layer) % layers], group)
@@ -107,12 +109,36 @@ def decode_case(layers: int, kernels, generator) -> None:
     print(f"{'decode: 32 seqs x 450 tokens, KV from DRAM':58} {ours:9.3f} {theirs:10.3f} {theirs / ours:7.2f}x")
 
 
+def quantized_decode_case(layers: int, kernels, generator) -> None:
+    """The decode kernel at 8 x 4,096 tokens, per KV format; each format's caches filled with the same K/V."""
+    num_seqs, context = 8, 4096
+    num_blocks = num_seqs * context // BLOCK
+    tables = block_tables([context] * num_seqs, num_blocks, generator)
+    lens = torch.full((num_seqs,), context)
+    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+    slots = torch.arange(num_blocks * BLOCK)
+    kv = torch.randn(2, len(slots), KV_HEADS, HEAD_DIM, generator=generator)
+    timings = {}
+    for name in ("bfloat16", "fp8_e4m3", "int8", "int4"):
+        caches = allocate_kv_storage(layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, CACHE_DTYPE, "cpu", name)
+        for cache in caches:
+            cache.write(slots, kv[0], kv[1])
+        decode_fn = decode_kernel(kernels, DTYPE, caches[0])
+        layer = iter(range(10**9))
+        timings[name] = per_call_ms(
+            lambda: decode_fn(q, caches[next(layer) % layers], tables, lens, HEAD_DIM**-0.5, 0), 4 * layers)
+        del caches
+    for name, ms in timings.items():
+        label = f"decode: 8 seqs x 4,096 tokens, {name} KV (vs bf16)"
+        print(f"{label:58} {ms:9.3f} {timings['bfloat16']:10.3f} {timings['bfloat16'] / ms:7.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=30, help="caches cycled through (30 = SmolLM2's depth)")
     args = parser.parse_args()
     kernels = cpu_kernels()
-    if prefill_kernel(kernels, DTYPE, HEAD_DIM, CACHE_DTYPE) is None:
+    if kernels is None:
         raise SystemExit("the CPU kernels did not build here: nothing to compare")
     generator = torch.Generator().manual_seed(0)
     print(f"{selected_isa().label} kernels, {str(DTYPE).removeprefix('torch.')} over a "
@@ -122,6 +148,7 @@ def main() -> None:
     prefill_case("prefill: 5 prompts x 415 tokens, no past", [415] * 5, [0] * 5, args.layers, kernels, generator)
     prefill_case("prefill: 64-token chunk over a 2,000-token cached past", [64], [2000], args.layers, kernels, generator)
     decode_case(args.layers, kernels, generator)
+    quantized_decode_case(min(args.layers, 8), kernels, generator)
 
 
 if __name__ == "__main__":

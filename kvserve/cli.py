@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvserve.planner.cli", "capacity planner: KV bytes per token, memory budget, safe concurrency"),
     "generate": ("kvserve.engine.generate_cli", "generate completions for prompts (offline, on the demo model by default)"),
     "chat": ("kvserve.engine.chat_cli", "interactive chat in the terminal (on the demo model by default)"),
+    "eval-kv": ("kvserve.engine.eval_kv_cli", "accuracy of each quantized KV dtype (perplexity, KL divergence, top-1) "
+                                              "against the model's precision"),
     "bench": ("kvserve.bench.cli", "load-test an OpenAI-compatible server (TTFT, TPOT, throughput, cache hits); "
                                    "compare runs; run the benchmark suite"),
 }

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.planner.kv import KV_CACHE_DTYPES
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -123,6 +125,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "xxh3_128"
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # fp8: per-layer scales from the first batch instead of 1.0 (vLLM's flag)
     kv_cache_memory: float | None = None  # GiB for the pool on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE); None: default
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -185,5 +188,5 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or lpm, got {sched.scheduling_policy!r}")
         if self.parallel.tensor_parallel_size != 1:
             raise NotImplementedError("tensor parallelism (--tensor-parallel-size > 1) is not built yet")
-        if cache.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise NotImplementedError(f"--kv-cache-dtype {cache.kv_cache_dtype} is not built yet (auto, bfloat16, float16, float32 are)")
+        if cache.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")

@@ -120,11 +120,12 @@ def test_abort_frees_blocks_in_the_same_step(llm):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])  # int4: a quantized pool (data, scales, rotation)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step"]), st.integers(0, 10_000)), max_size=30))
-def test_random_add_abort_step_keeps_pool_invariants(tiny_model_dir, actions):
+def test_random_add_abort_step_keeps_pool_invariants(tiny_model_dir, kv_cache_dtype, actions):
     folder, _ = tiny_model_dir("llama")
-    llm = _small_pool_llm(folder)
+    llm = _small_pool_llm(folder, kv_cache_dtype)
     engine = llm.engine
     live: list[str] = []
     finished = []
@@ -152,7 +153,7 @@ def test_random_add_abort_step_keeps_pool_invariants(tiny_model_dir, actions):
             assert [e.token_id for e in output.prompt_logprobs[1:]] == output.prompt_token_ids[1:]
 
 
-def _small_pool_llm(folder):
+def _small_pool_llm(folder, kv_cache_dtype="auto"):
     # A fresh engine per example: a failing example must not leave state behind for the next one.
     return LLM(str(folder), dtype="float32", device="cpu", max_model_len=128, num_gpu_blocks_override=12,
-               max_num_batched_tokens=48, max_num_seqs=4)
+               max_num_batched_tokens=48, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)

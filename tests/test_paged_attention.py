@@ -136,17 +136,27 @@ def test_prefill_kernel_matches_dense_attention(isa, dtype, cache_dtype, case):
     (the step's decodes) are left alone, and q may be a strided view of the fused qkv activation. bf16 runs
     where the family has bf16 dot products (AVX512-BF16), fp32 on AVX2 and AVX-512."""
     heads, kv_heads, head_dim, lengths, pasts, window = PREFILL_CASES[case]
-    kernel = prefill_kernel(kernels_for(isa), dtype, head_dim, cache_dtype)
-    if kernel is None:
-        pytest.skip(f"no {dtype} prefill kernel over a {cache_dtype} cache in the {isa} family")
     generator = torch.Generator().manual_seed(0)
-    block_size, num_decode_rows = 16, 3
+    block_size = 16
     blocks_per_seq = [-(-(n + p) // block_size) for n, p in zip(lengths, pasts)]
     num_blocks = sum(blocks_per_seq) + 4
     cache = LayerKVCache(
         torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype),
         torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype),
     )
+    kernel = prefill_kernel(kernels_for(isa), dtype, head_dim, cache)
+    if kernel is None:
+        pytest.skip(f"no {dtype} prefill kernel over a {cache_dtype} cache in the {isa} family")
+    check_prefill(kernel, cache, dtype, heads, kv_heads, head_dim, lengths, pasts, window, generator, cache)
+
+
+def check_prefill(kernel, cache, dtype, heads, kv_heads, head_dim, lengths, pasts, window, generator, dense_cache,
+                  tolerance=None):
+    """Runs the prefill kernel on `cache` and checks it against dense attention over `dense_cache` (the same K/V,
+    unquantized)."""
+    block_size, num_decode_rows = 16, 3
+    blocks_per_seq = [-(-(n + p) // block_size) for n, p in zip(lengths, pasts)]
+    num_blocks = cache.key.shape[0]
     order = torch.randperm(num_blocks, generator=generator).tolist()
     tables, used = [], 0
     for count in blocks_per_seq:
@@ -159,10 +169,9 @@ def test_prefill_kernel_matches_dense_attention(isa, dtype, cache_dtype, case):
     q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)
     out = torch.full((starts[-1], heads * head_dim), 7.0, dtype=dtype)
     spec = Spec(heads, kv_heads, head_dim)
-    kernel(q, cache.key, cache.value, torch.tensor(tables), torch.tensor(starts), torch.tensor(pasts), spec.scale,
-           window or 0, out)
-    expected = dense_prefill(q, cache, tables, starts, pasts, spec, block_size, window)
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    kernel(q, cache, torch.tensor(tables), torch.tensor(starts), torch.tensor(pasts), spec.scale, window or 0, out)
+    expected = dense_prefill(q, dense_cache, tables, starts, pasts, spec, block_size, window)
+    tolerance = tolerance or (1e-5 if dtype == torch.float32 else 3e-2)
     assert (out[num_decode_rows:].float() - expected).abs().max().item() < tolerance
     assert (out[:num_decode_rows] == 7.0).all()
 

@@ -65,9 +65,9 @@ def test_fp8_halves_and_tp2_halves_per_gpu():
     assert kv_bytes_per_token(spec, "fp8", tensor_parallel_size=2) == full // 4
 
 
-def test_int8_and_int4_include_fp16_scales():
+def test_int8_and_int4_include_their_scales():
     spec = registry_spec("Qwen/Qwen2.5-14B-Instruct")  # 48 layers, 8 KV heads, head_dim 128
-    assert kv_bytes_per_token(spec, "int8") == 2 * 48 * 8 * (128 + 1 * KV_SCALE_BYTES)
+    assert kv_bytes_per_token(spec, "int8") == 2 * 48 * 8 * (128 + 1)  # one exponent byte per vector
     assert kv_bytes_per_token(spec, "int4") == 2 * 48 * 8 * (64 + 128 // INT4_GROUP_SIZE * KV_SCALE_BYTES)
 
 
@@ -76,7 +76,7 @@ def test_kv_format_contract():
     assert kv_format("auto").name == "bfloat16"
     assert kv_format("fp8").name == "fp8_e4m3"
     int8, int4 = kv_format("int8"), kv_format("int4")
-    assert (int8.bits, int8.group_size, int8.scale_bytes) == (8, None, 2)
+    assert (int8.bits, int8.group_size, int8.scale_bytes) == (8, None, 1)
     assert (int4.bits, int4.group_size, int4.scale_bytes) == (4, 32, 2)
     assert kv_format("fp8").scale_bytes == 0
     assert set(KV_CACHE_DTYPES) == {"auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",

@@ -1,8 +1,10 @@
-"""The tensors behind the block pool: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim].
+"""The tensors behind the block pool: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, dim].
 
 `cache/` owns these tensors; the model's attention writes new K/V through a slot mapping (slot = block id x
-block_size + offset) and reads context through block tables. Quantized formats will keep their scales beside
-the data in the same object, so the scheduler and the runner never see the difference.
+block_size + offset) and reads context through block tables. A quantized format (kv_quant.py) keeps its
+scales beside the data in the same object: per-vector scales as [num_blocks, block_size, kv_heads, groups]
+tensors that move with their blocks, per-tensor fp8 scales as one value per layer. The scheduler, the block
+pool and the runner see blocks, never formats.
 """
 
 from __future__ import annotations
@@ -11,24 +13,97 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.cache.kv_quant import KVCodec, codec_for, rotation_matrix
+
 
 @dataclass(slots=True)
 class LayerKVCache:
-    key: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    key: torch.Tensor  # [num_blocks, block_size, kv_heads, data_dim] in the model dtype or the codec's data dtype
     value: torch.Tensor
+    codec: KVCodec | None = None  # None: unquantized, `key.dtype` is the KV dtype
+    key_scales: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, groups]: int8's exponent bytes, int4's fp16
+    value_scales: torch.Tensor | None = None
+    key_tensor_scale: torch.Tensor | None = None  # [] fp32 (fp8): stored = x / scale
+    value_tensor_scale: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None  # [head_dim, head_dim] fp32 when the codec rotates (int4)
+    calibrating: bool = False  # fp8 under --calculate-kv-scales: the first write sets the tensor scales
 
     @property
     def flat_key(self) -> torch.Tensor:
-        """[num_blocks * block_size, kv_heads, head_dim]: a view addressed by slot."""
+        """[num_blocks * block_size, kv_heads, data_dim]: a view addressed by slot."""
         return self.key.view(-1, *self.key.shape[2:])
 
     @property
     def flat_value(self) -> torch.Tensor:
         return self.value.view(-1, *self.value.shape[2:])
 
+    @property
+    def quantized(self) -> bool:
+        return self.codec is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-block tensor (data and scales), block dim first: what moving a block moves."""
+        return [t for t in (self.key, self.value, self.key_scales, self.value_scales) if t is not None]
+
     def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.flat_key.index_copy_(0, slot_mapping, key.to(self.key.dtype))
-        self.flat_value.index_copy_(0, slot_mapping, value.to(self.value.dtype))
+        """key, value [tokens, kv_heads, head_dim] in the model dtype (already rotated when the codec rotates)."""
+        if self.codec is None:
+            self.flat_key.index_copy_(0, slot_mapping, key.to(self.key.dtype))
+            self.flat_value.index_copy_(0, slot_mapping, value.to(self.value.dtype))
+            return
+        if self.calibrating:
+            self._calibrate(key, value)
+        for data, scales, tensor_scale, x in ((self.key, self.key_scales, self.key_tensor_scale, key),
+                                               (self.value, self.value_scales, self.value_tensor_scale, value)):
+            encoded, encoded_scales = self.codec.encode(x, tensor_scale)
+            data.view(-1, *data.shape[2:]).index_copy_(0, slot_mapping, encoded)
+            if scales is not None:
+                scales.view(-1, *scales.shape[2:]).index_copy_(0, slot_mapping, encoded_scales)
+
+    def _calibrate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """vLLM's --calculate-kv-scales: scale = absmax of the first batch / a range that leaves headroom for
+        larger values later (vLLM's constants, 200 for K and 100 for V, against e4m3's maximum of 448). Fixed
+        afterwards: every block of the pool must decode with the scale it was written with."""
+        self.key_tensor_scale.fill_(max(key.abs().max().item() / K_SCALE_RANGE, _MIN_TENSOR_SCALE))
+        self.value_tensor_scale.fill_(max(value.abs().max().item() / V_SCALE_RANGE, _MIN_TENSOR_SCALE))
+        self.calibrating = False
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` as [len(slots), kv_heads, head_dim] in `dtype`: only those rows are decoded."""
+        if self.codec is None:
+            return self.flat_key.index_select(0, slots).to(dtype), self.flat_value.index_select(0, slots).to(dtype)
+        return (self._gather_one(self.key, self.key_scales, self.key_tensor_scale, slots, dtype),
+                self._gather_one(self.value, self.value_scales, self.value_tensor_scale, slots, dtype))
+
+    def _gather_one(self, data: torch.Tensor, scales: torch.Tensor | None, tensor_scale: torch.Tensor | None,
+                    slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = data.view(-1, *data.shape[2:]).index_select(0, slots)
+        row_scales = None if scales is None else scales.view(-1, *scales.shape[2:]).index_select(0, slots)
+        return self.codec.decode(rows, row_scales, dtype, tensor_scale)
+
+
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
+_MIN_TENSOR_SCALE = 1e-6
+
+
+def set_fp8_scales(layers: list[LayerKVCache], checkpoint_scales: dict[int, tuple[float, float]],
+                   calculate: bool) -> str | None:
+    """fp8 pools: the checkpoint's k_scale/v_scale where it has them, else calibration on the first batch under
+    --calculate-kv-scales, else 1.0 (vLLM's order). Returns where the scales come from, for the log; None for
+    pools without per-tensor scales."""
+    if not layers or layers[0].key_tensor_scale is None:
+        return None
+    if checkpoint_scales:
+        for index, layer in enumerate(layers):
+            k_scale, v_scale = checkpoint_scales.get(index, (1.0, 1.0))
+            layer.key_tensor_scale.fill_(k_scale)
+            layer.value_tensor_scale.fill_(v_scale)
+        return f"the checkpoint's k_scale/v_scale ({len(checkpoint_scales)} layers)"
+    if calculate:
+        for layer in layers:
+            layer.calibrating = True
+        return "calculated from the first batch (--calculate-kv-scales)"
+    return "1.0 (pass --calculate-kv-scales to calibrate them)"
 
 
 def allocate_kv_storage(
@@ -39,11 +114,36 @@ def allocate_kv_storage(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    kv_cache_dtype: str | None = None,
 ) -> list[LayerKVCache]:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    # zeros, not empty: padded block-table entries read block contents that attention then masks out,
-    # and NaN garbage times a zero weight would still be NaN.
-    return [
-        LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+    """`dtype`: the unquantized KV dtype; `kv_cache_dtype` (fp8, fp8_e4m3, fp8_e5m2, int8, int4) quantizes."""
+    codec = codec_for(kv_cache_dtype, head_dim) if kv_cache_dtype else None
+    if codec is None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: padded block-table entries read block contents that attention then masks out,
+        # and NaN garbage times a zero weight would still be NaN.
+        return [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(num_layers)]
+    return [_quantized_layer(codec, num_blocks, block_size, num_kv_heads, device) for _ in range(num_layers)]
+
+
+def _quantized_layer(codec: KVCodec, num_blocks: int, block_size: int, num_kv_heads: int,
+                     device: torch.device | str) -> LayerKVCache:
+    data_shape = (num_blocks, block_size, num_kv_heads, codec.data_dim)
+
+    def data() -> torch.Tensor:
+        # int4's zero byte would decode to -8 x scale; 0x88 is two zeros. fp8's and int8's zero byte is 0.
+        fill = 0x88 if codec.name == "int4" else 0
+        return torch.full(data_shape, fill, dtype=codec.data_dtype, device=device)
+
+    def scales() -> torch.Tensor | None:
+        if codec.scales_per_vector == 0:
+            return None
+        return torch.zeros((num_blocks, block_size, num_kv_heads, codec.scales_per_vector), dtype=codec.scale_dtype,
+                           device=device)
+
+    def tensor_scale() -> torch.Tensor | None:
+        return torch.ones((), dtype=torch.float32, device=device) if codec.scales_per_vector == 0 else None
+
+    rotation = rotation_matrix(codec.head_dim, device) if codec.rotates else None
+    return LayerKVCache(data(), data(), codec, scales(), scales(), tensor_scale(), tensor_scale(), rotation)

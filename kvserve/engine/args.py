@@ -25,6 +25,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-caching-hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
     group.add_argument("--kv-cache-dtype", default="auto",
                        choices=["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+    group.add_argument("--calculate-kv-scales", action="store_true",
+                       help="fp8 KV: per-layer scales from the first batch instead of 1.0 (a checkpoint's "
+                            "k_scale/v_scale win)")
     group.add_argument("--kv-cache-memory", type=float, default=None,
                        help="GiB for the KV pool on CPU (default 1)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -43,6 +46,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             prefix_caching_hash_algo=args.prefix_caching_hash_algo,
             kv_cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,

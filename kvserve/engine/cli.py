@@ -60,7 +60,7 @@ def _make_llm(args: argparse.Namespace):
     return LLM.from_engine(start_engine(engine_config_from_flags(args)))
 
 
-def _fails_in_one_line(command: str):
+def fails_in_one_line(command: str):
     """Runs the command; a start-up failure ends with one line on stderr and exit status 2 (usage) or 1."""
 
     def wrap(run):
@@ -78,7 +78,7 @@ def _fails_in_one_line(command: str):
     return wrap
 
 
-@_fails_in_one_line("generate")
+@fails_in_one_line("generate")
 def run_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     llm = _make_llm(args)
@@ -97,7 +97,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-@_fails_in_one_line("chat")
+@fails_in_one_line("chat")
 def run_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     llm = _make_llm(args)

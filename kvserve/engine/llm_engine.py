@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.cache.kv_storage import allocate_kv_storage
+from kvserve.cache.kv_storage import allocate_kv_storage, set_fp8_scales
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.memory_profile import decode_gather_tokens
@@ -107,8 +107,11 @@ class LLMEngine:
         model_cfg = self.loaded.config
         storage = allocate_kv_storage(
             model_cfg.num_hidden_layers, self.pool.num_blocks, cache_cfg.block_size, model_cfg.num_key_value_heads,
-            model_cfg.head_dim, self.pool.kv_dtype, self.device,
+            model_cfg.head_dim, self.pool.kv_dtype, self.device, self.pool.kv_format,
         )
+        scales = set_fp8_scales(storage, self.loaded.model.checkpoint_kv_scales, cache_cfg.calculate_kv_scales)
+        if scales:
+            logger.info("fp8 KV scales: %s", scales)
         self.runner = ModelRunner(self.loaded.model, storage, self.kv_cache, self.device,
                                   max_gather_tokens=decode_gather_tokens(config.scheduler))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)

@@ -61,10 +61,9 @@ class ModelRunner:
         if device.type == "cpu":
             model.pack_weights_for_cpu()
         kernels = cpu_kernels() if device.type == "cpu" else None
-        # The CPU kernels for this model and cache dtype; None: the portable torch path.
-        cache_dtype = kv_caches[0].key.dtype
-        self.decode_kernel = decode_kernel(kernels, model.dtype, cache_dtype)
-        self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim, cache_dtype)
+        # The CPU kernels for this model and cache format; None: the portable torch path.
+        self.decode_kernel = decode_kernel(kernels, model.dtype, kv_caches[0])
+        self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim, kv_caches[0])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:

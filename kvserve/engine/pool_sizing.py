@@ -21,7 +21,7 @@ from kvserve.planner.budget import (
     memory_budget_bytes,
     num_blocks_for_pool,
 )
-from kvserve.planner.kv import kv_block_bytes
+from kvserve.planner.kv import kv_block_bytes, kv_format
 from kvserve.planner.specs import spec_from_hf_config
 
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
@@ -44,8 +44,9 @@ class PoolPlan:
     block_size: int
     block_bytes: int
     max_model_len: int
-    kv_dtype: torch.dtype
+    kv_dtype: torch.dtype  # the unquantized KV dtype (what attention reads quantized K/V back as)
     source: str  # how the pool size was chosen, for the log
+    kv_format: str = ""  # what the pool stores: the KV dtype's name, or fp8_e4m3 / fp8_e5m2 / int8 / int4
 
     @property
     def pool_bytes(self) -> int:
@@ -59,14 +60,24 @@ class PoolPlan:
         concurrency = max_concurrency(self.num_blocks, self.block_size, self.max_model_len)
         return (
             f"KV cache pool: {self.pool_bytes / GIB:.2f} GiB ({self.source}) = {self.num_blocks} blocks x "
-            f"{self.block_size} tokens = {self.num_tokens} tokens; maximum concurrency at max-model-len "
+            f"{self.block_size} tokens = {self.num_tokens} tokens of {self.kv_format} KV "
+            f"({self.block_bytes / self.block_size:,.0f} B/token, scales included); maximum concurrency at max-model-len "
             f"{self.max_model_len}: {concurrency:.2f}x"
         )
 
 
 def kv_storage_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
-    """--kv-cache-dtype, or under auto the model's (the checkpoint's 16 bits when auto computes it in fp32)."""
-    return loaded.kv_dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
+    """The unquantized KV dtype: --kv-cache-dtype's, or the model's (the checkpoint's 16 bits when auto computes
+    it in fp32) under auto and under a quantized format."""
+    return DTYPES.get(config.cache.kv_cache_dtype, loaded.kv_dtype)
+
+
+def kv_format_name(config: EngineConfig, loaded: LoadedModel) -> str:
+    """What the pool stores, in the planner's spelling (fp8 is fp8_e4m3)."""
+    name = config.cache.kv_cache_dtype
+    if name in DTYPES or name == "auto":
+        return _dtype_name(kv_storage_dtype(config, loaded))
+    return kv_format(name).name
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -76,10 +87,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> PoolPlan:
     cache = config.cache
     spec = spec_from_hf_config(loaded.hf_config, source=str(loaded.path))
-    block_bytes = kv_block_bytes(
-        spec, cache.block_size, _dtype_name(kv_storage_dtype(config, loaded)), _dtype_name(loaded.dtype),
-        config.parallel.tensor_parallel_size,
-    )
+    kv_name = kv_format_name(config, loaded)
+    block_bytes = kv_block_bytes(spec, cache.block_size, kv_name, _dtype_name(loaded.dtype),
+                                 config.parallel.tensor_parallel_size)
     model_limit = loaded.config.max_position_embeddings
     if (config.scheduler.max_model_len or 0) > model_limit:
         raise ValueError(
@@ -102,7 +112,7 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
             f"Lower --max-model-len or give the pool more memory."
         )
     return PoolPlan(num_blocks, cache.block_size, block_bytes, max_model_len,
-                    kv_storage_dtype(config, loaded), source)
+                    kv_storage_dtype(config, loaded), source, kv_name)
 
 
 def _cuda_blocks(config: EngineConfig, loaded: LoadedModel, device: torch.device, block_bytes: int) -> tuple[int, str]:

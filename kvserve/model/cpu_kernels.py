@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.cache.kv_storage import LayerKVCache
 from kvserve.model.cpu_isa import CpuIsa, selected_isa
 
 logger = logging.getLogger("kvserve.model")
@@ -31,29 +32,62 @@ def cpu_kernels(isa: CpuIsa | None = None):
     return _build(isa or selected_isa())
 
 
-def prefill_kernel(kernels, dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None):
-    """The module's prefill attention function for this model dtype, cache dtype (default: the model's) and head
-    size, or None (the portable path)."""
-    cache_dtype = cache_dtype or dtype
-    if kernels is None:
-        return None
-    if dtype == cache_dtype == torch.bfloat16 and kernels.has_prefill_attention_bf16() and head_dim % 64 == 0:
-        return kernels.paged_prefill_attention_bf16
-    multiple = kernels.prefill_attention_fp32_head_dim_multiple()
-    if dtype == torch.float32 and cache_dtype in READABLE_CACHE_DTYPES[dtype] and multiple and head_dim % multiple == 0:
-        return kernels.paged_prefill_attention_fp32
-    return None
-
-
-def decode_kernel(kernels, dtype: torch.dtype, cache_dtype: torch.dtype):
-    """The module's decode attention function when it reads this cache under this model dtype, else None."""
-    if kernels is None or (cache_dtype != dtype and cache_dtype not in READABLE_CACHE_DTYPES.get(dtype, ())):
-        return None
-    return kernels.paged_decode_attention
-
+# The kernels' ids of the quantized formats (kv_dequant.h's kvq::Format).
+QUANTIZED_FORMAT_IDS = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 4}
 
 # Caches the kernels read under a model dtype besides its own: an fp32 model's 16-bit cache, widened on load.
 READABLE_CACHE_DTYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def prefill_kernel(kernels, dtype: torch.dtype, head_dim: int, cache: LayerKVCache):
+    """The prefill attention for this model dtype, head size and cache, as
+    `fn(q, cache, block_tables, query_starts, num_past, scale, sliding_window, out)`; None: the portable path."""
+    if kernels is None:
+        return None
+    bf16 = dtype == torch.bfloat16 and kernels.has_prefill_attention_bf16() and head_dim % 64 == 0
+    multiple = kernels.prefill_attention_fp32_head_dim_multiple()
+    fp32 = dtype == torch.float32 and multiple and head_dim % multiple == 0
+    if cache.quantized:
+        if bf16:
+            return _quantized(kernels.paged_prefill_attention_bf16_quantized)
+        return _quantized(kernels.paged_prefill_attention_fp32_quantized) if fp32 else None
+    if bf16 and cache.key.dtype == torch.bfloat16:
+        return _unquantized(kernels.paged_prefill_attention_bf16)
+    if fp32 and cache.key.dtype in READABLE_CACHE_DTYPES[dtype]:
+        return _unquantized(kernels.paged_prefill_attention_fp32)
+    return None
+
+
+def decode_kernel(kernels, dtype: torch.dtype, cache: LayerKVCache):
+    """The decode attention when it reads this cache under this model dtype, as
+    `fn(q, cache, block_tables, context_lens, scale, sliding_window) -> out`; None: the portable path."""
+    if kernels is None:
+        return None
+    if cache.quantized:
+        return _quantized(kernels.paged_decode_attention_quantized)
+    if cache.key.dtype != dtype and cache.key.dtype not in READABLE_CACHE_DTYPES.get(dtype, ()):
+        return None
+    return _unquantized(kernels.paged_decode_attention)
+
+
+def _unquantized(kernel):
+    def call(q, cache: LayerKVCache, *args):
+        return kernel(q, cache.key, cache.value, *args)
+    return call
+
+
+_NO_SCALES = torch.empty(0, dtype=torch.float16)
+
+
+def _quantized(kernel):
+    def call(q, cache: LayerKVCache, *args):
+        k_tensor_scale = 1.0 if cache.key_tensor_scale is None else float(cache.key_tensor_scale)
+        v_tensor_scale = 1.0 if cache.value_tensor_scale is None else float(cache.value_tensor_scale)
+        return kernel(q, cache.key, cache.value,
+                      _NO_SCALES if cache.key_scales is None else cache.key_scales,
+                      _NO_SCALES if cache.value_scales is None else cache.value_scales,
+                      k_tensor_scale, v_tensor_scale, QUANTIZED_FORMAT_IDS[cache.codec.name], *args)
+    return call
 
 
 def module_name(isa: CpuIsa) -> str:

@@ -83,6 +83,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         # The C++ module for fused CPU ops, or None (portable torch). Set after loading: see use_fused_kernels.
         self.fused_kernels = None
+        # fp8 KV scales a checkpoint carries (`model.layers.N.self_attn.k_scale` / `v_scale`): layer -> (k, v).
+        self.checkpoint_kv_scales: dict[int, tuple[float | None, float | None]] = {}
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
         from kvserve.model.cpu_kernels import cpu_kernels

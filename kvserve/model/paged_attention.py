@@ -109,29 +109,42 @@ class PagedAttentionMetadata:
 
 def paged_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, metadata) -> torch.Tensor:
     paged: PagedAttentionMetadata = metadata.paged
+    rotation = kv_cache.rotation
+    if rotation is not None:  # a rotating format (int4): q.k is unchanged, the output is rotated back below
+        q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)
     kv_cache.write(paged.slot_mapping, k, v)
     out = q.new_empty(q.shape[0], attn.num_heads * attn.head_dim)
     if paged.decode is not None:
         _decode(attn, q, kv_cache, paged.decode, out)
     if paged.prefill is not None:
-        _prefill(attn, q, k, v, kv_cache, paged.prefill, out)
+        _prefill(attn, q, k, v, kv_cache, paged.prefill, paged.slot_mapping, out)
+    if rotation is not None:
+        out = _rotate(out.view(q.shape[0], attn.num_heads, attn.head_dim), rotation.T).view(q.shape[0], -1)
     return out
 
 
+def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] times an orthogonal [head_dim, head_dim] matrix, in fp32, back in x's dtype."""
+    return torch.matmul(x.to(torch.float32), rotation).to(x.dtype)
+
+
 def _prefill(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, group: PrefillGroup,
-             out: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, out: torch.Tensor) -> None:
     if group.kernel is not None:
         block_tables, query_starts, num_past = group.kernel_inputs
-        group.kernel(q, kv_cache.key, kv_cache.value, block_tables, query_starts, num_past, attn.scale,
-                     attn.sliding_window or 0, out)
+        group.kernel(q, kv_cache, block_tables, query_starts, num_past, attn.scale, attn.sliding_window or 0, out)
         return
     for segment in group.segments:
         rows = slice(segment.token_start, segment.token_end)
-        if segment.context_slots is None:
+        context_slots = segment.context_slots
+        if context_slots is None and kv_cache.quantized:
+            # A quantized cache is read back even without a past, so a prompt attends to the same K/V whether
+            # its prefix was computed this step or found in the cache.
+            context_slots = slot_mapping[rows]
+        if context_slots is None:
             out[rows] = attn.attend(q[rows], k[rows], v[rows], num_past_tokens=0)
         else:
-            keys = kv_cache.flat_key.index_select(0, segment.context_slots).to(q.dtype)
-            values = kv_cache.flat_value.index_select(0, segment.context_slots).to(q.dtype)
+            keys, values = kv_cache.gather(context_slots, q.dtype)
             out[rows] = attn.attend(q[rows], keys, values, num_past_tokens=segment.num_past_tokens)
 
 
@@ -139,10 +152,8 @@ def _decode(attn, q: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup, o
     num_decodes = group.num_decodes
     q_dec = q[:num_decodes]
     if group.kernel is not None:
-        result = group.kernel(
-            q_dec.contiguous(), kv_cache.key, kv_cache.value, group.block_tables, group.context_lens, attn.scale,
-            group.sliding_window or 0,
-        )
+        result = group.kernel(q_dec.contiguous(), kv_cache, group.block_tables, group.context_lens, attn.scale,
+                              group.sliding_window or 0)
         out[:num_decodes] = result.view(num_decodes, -1)
         return
     out[:num_decodes] = _decode_portable(attn, q_dec, kv_cache, group)
@@ -164,9 +175,9 @@ def _attend_padded(attn, q_dec: torch.Tensor, kv_cache: LayerKVCache, slots: tor
     group_size = attn.num_heads // attn.num_kv_heads
     kv_shape = (num_decodes, max_len, attn.num_kv_heads, attn.head_dim)
     # Gather, then head-major [seqs, kv_heads, context, head_dim] so each matmul operand is contiguous.
-    flat_slots = slots.reshape(-1)
-    keys = kv_cache.flat_key.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).contiguous().to(q_dec.dtype)
-    values = kv_cache.flat_value.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).contiguous().to(q_dec.dtype)
+    keys, values = kv_cache.gather(slots.reshape(-1), q_dec.dtype)
+    keys = keys.view(kv_shape).transpose(1, 2).contiguous()
+    values = values.view(kv_shape).transpose(1, 2).contiguous()
     queries = q_dec.reshape(num_decodes, attn.num_kv_heads, group_size, attn.head_dim)
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float().mul_(attn.scale)  # [seqs, kv_heads, group, ctx]
     scores.masked_fill_(~mask, float("-inf"))

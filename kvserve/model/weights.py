@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -66,7 +68,8 @@ def load_weights(
 ) -> None:
     """Fills every parameter of `model` from `tensors` (name, tensor, source file); fails naming what is wrong.
 
-    Tensors the model does not use (rotary inv_freq buffers, a tied lm_head copy) are skipped.
+    Tensors the model does not use (rotary inv_freq buffers, a tied lm_head copy) are skipped; fp8 KV scales
+    (`self_attn.k_scale` / `v_scale`, as vLLM reads them) are kept in `model.checkpoint_kv_scales`.
     """
     destinations = weight_destinations(model)
     written: set[str] = set()
@@ -74,6 +77,7 @@ def load_weights(
         on_tensor()
         dest = destinations.get(name)
         if dest is None:
+            _keep_kv_scale(model, name, tensor)
             continue
         expected = (dest.rows, *dest.parameter.shape[1:])
         if tuple(tensor.shape) != expected:
@@ -82,6 +86,27 @@ def load_weights(
             dest.parameter[dest.row_start : dest.row_start + dest.rows].copy_(tensor)
         written.add(name)
     missing = [name for name in destinations if name not in written]
+    _check_kv_scales(model, checkpoint)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{checkpoint}: missing tensor(s): {shown}")
+
+
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+
+
+def _keep_kv_scale(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> None:
+    match = _KV_SCALE.fullmatch(name)
+    if match is None or tensor.numel() != 1:
+        return
+    layer, which = int(match.group(1)), match.group(2)
+    k_scale, v_scale = model.checkpoint_kv_scales.get(layer, (None, None))
+    value = float(tensor.float().item())
+    model.checkpoint_kv_scales[layer] = (value, v_scale) if which == "k" else (k_scale, value)
+
+
+def _check_kv_scales(model: LlamaForCausalLM, checkpoint: str) -> None:
+    for layer, scales in model.checkpoint_kv_scales.items():
+        if not all(scale is not None and scale > 0 and math.isfinite(scale) for scale in scales):
+            raise ModelLoadError(f"{checkpoint}: layer {layer} has fp8 KV scales {scales}; both k_scale and v_scale "
+                                 "must be positive")

@@ -6,9 +6,10 @@ Storage contract (the engine's `cache/storage` follows these constants exactly):
 - `bfloat16` / `float16`: 2 B per element; `float32`: 4 B; no scales.
 - `fp8` (= `fp8_e4m3`) and `fp8_e5m2`: 1 B per element. One per-tensor scale per layer, which is negligible
   and not counted.
-- `int8`: 1 B per element, plus one fp16 scale (`KV_SCALE_BYTES`) per (token, kv_head) vector, separately for
-  K and for V. The scale group is the whole head vector, i.e. `group_size == head_dim`; `KVFormat.group_size`
-  is None for "one scale per vector".
+- `int8`: 1 B per element, plus one power-of-two scale (`INT8_SCALE_BYTES`, one byte: an E8M0 exponent, as OCP's
+  MX formats store theirs) per (token, kv_head) vector, separately for K and for V. The scale group is the whole
+  head vector, i.e. `group_size == head_dim`; `KVFormat.group_size` is None for "one scale per vector". One
+  byte, not an fp16: at head_dim 64 an fp16 scale would cost 3% of the tokens a pool holds.
 - `int4`: 0.5 B per element (two per byte), plus one fp16 scale per `INT4_GROUP_SIZE` (32) consecutive
   elements of a head vector, symmetric (no zero point). A last partial group still gets its own scale.
 
@@ -34,7 +35,8 @@ from kvserve.planner.units import ceil_div, format_bytes
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 COMPARED_KV_DTYPES = ("auto", "fp8", "int8", "int4")  # the model dtype, then each quantized format
-KV_SCALE_BYTES = 2  # fp16 scales for int8/int4
+KV_SCALE_BYTES = 2  # fp16 scales for int4
+INT8_SCALE_BYTES = 1  # a power-of-two exponent for int8
 INT4_GROUP_SIZE = 32
 
 
@@ -58,7 +60,7 @@ _KV_FORMATS = {
     "float32": KVFormat("float32", 32, None, 0),
     "fp8_e4m3": KVFormat("fp8_e4m3", 8, None, 0),
     "fp8_e5m2": KVFormat("fp8_e5m2", 8, None, 0),
-    "int8": KVFormat("int8", 8, None, KV_SCALE_BYTES),
+    "int8": KVFormat("int8", 8, None, INT8_SCALE_BYTES),
     "int4": KVFormat("int4", 4, INT4_GROUP_SIZE, KV_SCALE_BYTES),
 }
 _KV_ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}

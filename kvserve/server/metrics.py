@@ -231,6 +231,7 @@ def cache_config_info(engine: AsyncLLMEngine) -> dict[str, str]:
     return {
         "block_size": str(config.block_size),
         "cache_dtype": str(config.kv_cache_dtype),
+        "kv_format": engine.engine.pool.kv_format,  # what the pool stores: auto resolved, fp8 as fp8_e4m3
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "num_gpu_blocks": str(engine.engine.pool.num_blocks),

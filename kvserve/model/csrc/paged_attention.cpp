@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_dequant.h"
 #include "simd.h"
 
 namespace {
@@ -343,15 +344,84 @@ void merge_partials(const float* partials, int64_t num_parts, int64_t group, int
 
 }  // namespace
 
+namespace {
+
+// Tasks are (sequence, KV head) pairs. With fewer pairs than threads to keep busy (a long single-user session),
+// each context is split into parts of at least kMinPartTokens, merged afterwards as flash decoding does;
+// `max_part_tokens` > 0 also caps a part's length (a quantized cache decodes each part into scratch that must
+// stay in L2).
+struct Part { int64_t seq, kv_head, first, end; };
+
+struct PartPlan {
+  std::vector<Part> parts;
+  std::vector<int64_t> pair_start;  // parts of pair p: [pair_start[p], pair_start[p + 1])
+};
+
+PartPlan plan_parts(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads, int64_t sliding_window,
+                    int64_t max_part_tokens) {
+  const int64_t num_pairs = num_seqs * num_kv_heads, threads = at::get_num_threads();
+  const int64_t wanted_parts = num_pairs >= 2 * threads ? 1 : (2 * threads + num_pairs - 1) / num_pairs;
+  PartPlan plan;
+  plan.pair_start.assign(num_pairs + 1, 0);
+  for (int64_t pair = 0; pair < num_pairs; ++pair) {
+    const int64_t seq = pair / num_kv_heads, context_len = lens[seq];
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
+    int64_t count = std::clamp<int64_t>((context_len - first) / kMinPartTokens, 1, wanted_parts);
+    if (max_part_tokens > 0) count = std::max(count, (context_len - first + max_part_tokens - 1) / max_part_tokens);
+    for (int64_t i = 0; i < count; ++i)
+      plan.parts.push_back({seq, pair % num_kv_heads, first + (context_len - first) * i / count,
+                            first + (context_len - first) * (i + 1) / count});
+    plan.pair_start[pair + 1] = static_cast<int64_t>(plan.parts.size());
+  }
+  return plan;
+}
+
+template <typename TaskFn, typename out_t>
+void run_parts(const PartPlan& plan, int64_t num_pairs, int64_t group, int64_t head_dim, out_t* out_ptr,
+               TaskFn&& task) {
+  const int64_t partial_size = group * (head_dim + 2);
+  std::vector<float> partials(plan.parts.size() * partial_size);
+  at::parallel_for(0, static_cast<int64_t>(plan.parts.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf, row, k_rows, v_rows;
+    std::vector<int64_t> offsets;
+    for (int64_t i = begin; i < end; ++i)
+      task(plan.parts[i], partials.data() + i * partial_size, scores, qf, row, offsets, k_rows, v_rows);
+  });
+  at::parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair)
+      merge_partials(partials.data() + plan.pair_start[pair] * partial_size,
+                     plan.pair_start[pair + 1] - plan.pair_start[pair], group, head_dim, out_ptr + pair * group * head_dim);
+  });
+}
+
+template <typename q_t, typename cache_t>
+using DecodeTaskFn = void (*)(const q_t*, const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t, int64_t,
+                              int64_t, int64_t, int64_t, int64_t, float, float*, std::vector<float>&,
+                              std::vector<float>&, std::vector<float>&, std::vector<int64_t>&);
+
+template <typename q_t, typename cache_t>
+DecodeTaskFn<q_t, cache_t> decode_task_for(int64_t head_dim) {
+  return head_dim == 64 ? decode_task<q_t, cache_t, 64>
+         : head_dim == 128 ? decode_task<q_t, cache_t, 128> : decode_task<q_t, cache_t, 0>;
+}
+
+void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                         int64_t num_kv_heads) {
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kLong, "block_tables: int64");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kLong, "context_lens: int64");
+  TORCH_CHECK(q.size(1) % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+}
+
+}  // namespace
+
 // q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 (including the new token).
 // sliding_window <= 0 means none. Returns [num_seqs, num_heads, head_dim].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      int64_t sliding_window) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kLong, "block_tables: int64");
-  TORCH_CHECK(context_lens.scalar_type() == torch::kLong, "context_lens: int64");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() ||
               (q.scalar_type() == torch::kFloat && (k_cache.scalar_type() == torch::kBFloat16 ||
@@ -359,51 +429,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               "the KV cache must be in the query's dtype, or bf16/fp16 under an fp32 query");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  // Tasks are (sequence, KV head) pairs. With fewer pairs than threads to keep busy (a long single-user session),
-  // each context is split into parts of at least kMinPartTokens, merged afterwards as flash decoding does.
-  const int64_t num_pairs = num_seqs * num_kv_heads, threads = at::get_num_threads();
-  const int64_t wanted_parts = num_pairs >= 2 * threads ? 1 : (2 * threads + num_pairs - 1) / num_pairs;
-  struct Part { int64_t seq, kv_head, first, end; };
-  std::vector<Part> parts;
-  std::vector<int64_t> pair_start(num_pairs + 1, 0);
-  for (int64_t pair = 0; pair < num_pairs; ++pair) {
-    const int64_t seq = pair / num_kv_heads, context_len = lens[seq];
-    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
-    const int64_t count = std::clamp<int64_t>((context_len - first) / kMinPartTokens, 1, wanted_parts);
-    for (int64_t i = 0; i < count; ++i)
-      parts.push_back({seq, pair % num_kv_heads, first + (context_len - first) * i / count,
-                       first + (context_len - first) * (i + 1) / count});
-    pair_start[pair + 1] = static_cast<int64_t>(parts.size());
-  }
-  const int64_t partial_size = group * (head_dim + 2);
-  std::vector<float> partials(parts.size() * partial_size);
+  const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0);
   auto run = [&](auto* q_ptr, const auto* k_ptr, const auto* v_ptr) {
     using q_t = std::remove_pointer_t<decltype(q_ptr)>;
     using cache_t = std::remove_const_t<std::remove_pointer_t<decltype(k_ptr)>>;
-    auto task_fn = head_dim == 64 ? decode_task<q_t, cache_t, 64>
-                   : head_dim == 128 ? decode_task<q_t, cache_t, 128> : decode_task<q_t, cache_t, 0>;
-    q_t* out_ptr = out.data_ptr<q_t>();
-    at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, qf, row;
-      std::vector<int64_t> offsets;
-      for (int64_t i = begin; i < end; ++i) {
-        const Part& part = parts[i];
-        task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_ptr, v_ptr,
-                tables + part.seq * max_blocks, part.end, part.first, block_size, num_kv_heads, part.kv_head, group,
-                head_dim, static_cast<float>(scale), partials.data() + i * partial_size, scores, qf, row, offsets);
-      }
-    });
-    at::parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t pair = begin; pair < end; ++pair)
-        merge_partials(partials.data() + pair_start[pair] * partial_size, pair_start[pair + 1] - pair_start[pair],
-                       group, head_dim, out_ptr + pair * group * head_dim);
-    });
+    const auto task_fn = decode_task_for<q_t, cache_t>(head_dim);
+    run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<q_t>(),
+              [&](const Part& part, float* partial, auto& scores, auto& qf, auto& row, auto& offsets, auto&, auto&) {
+                task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_ptr, v_ptr,
+                        tables + part.seq * max_blocks, part.end, part.first, block_size, num_kv_heads, part.kv_head,
+                        group, head_dim, static_cast<float>(scale), partial, scores, qf, row, offsets);
+              });
   };
   if (k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat) {
     run(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
@@ -414,6 +455,61 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
     });
   }
+  return out;
+}
+
+namespace {
+constexpr int64_t kMaxDequantPartTokens = 256;  // 256 x 128 dims x 4 B x (K + V) = 256 KB of scratch at most
+}
+
+// The same over a quantized cache (kv_dequant.h): each part's K and V rows are decoded once into contiguous fp32
+// scratch, which the fp32-cache task then reads as a one-block context (one KV head, identity table). The
+// cache's bytes are read once, fewer of them than a 16-bit cache's.
+// k_data/v_data: [num_blocks, block_size, num_kv_heads, data_dim] bytes; k_scales/v_scales: fp16 [..., groups]
+// (empty for fp8); k_tensor_scale/v_tensor_scale: fp8's per-layer scales; format: kvq::Format.
+torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
+                                               torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
+                                               double v_tensor_scale, int64_t format, torch::Tensor block_tables,
+                                               torch::Tensor context_lens, double scale, int64_t sliding_window) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_data.size(1), num_kv_heads = k_data.size(2);
+  check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
+  const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim);
+  const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  auto out = torch::empty_like(q);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window,
+                                   kMaxDequantPartTokens);
+  const int64_t one_block_table[1] = {0};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_quantized", [&] {
+    const auto task_fn = decode_task_for<scalar_t, float>(head_dim);
+    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+    run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<scalar_t>(),
+              [&](const Part& part, float* partial, auto& scores, auto& qf, auto& row, auto& offsets, auto& k_rows,
+                  auto& v_rows) {
+                const int64_t num_tokens = part.end - part.first;
+                const int64_t* table = tables + part.seq * max_blocks;
+                k_rows.resize(num_tokens * head_dim);
+                v_rows.resize(num_tokens * head_dim);
+                for (int64_t t = 0; t < num_tokens; ++t) {
+                  const int64_t pos = part.first + t;
+                  const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                  if (t + 16 < num_tokens) {
+                    const int64_t ahead = pos + 16;
+                    const int64_t ahead_slot = table[ahead / block_size] * block_size + ahead % block_size;
+                    keys.prefetch(ahead_slot, part.kv_head);
+                    values.prefetch(ahead_slot, part.kv_head);
+                  }
+                  keys.decode(slot, part.kv_head, k_rows.data() + t * head_dim);
+                  values.decode(slot, part.kv_head, v_rows.data() + t * head_dim);
+                }
+                task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_rows.data(), v_rows.data(),
+                        one_block_table, num_tokens, 0, num_tokens, 1, 0, group, head_dim, static_cast<float>(scale),
+                        partial, scores, qf, row, offsets);
+              });
+  });
   return out;
 }
 
@@ -551,6 +647,16 @@ void paged_prefill_attention_fp32(torch::Tensor q, torch::Tensor k_cache, torch:
                                   torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
                                   double scale, int64_t sliding_window, torch::Tensor out);
 int64_t prefill_attention_fp32_head_dim_multiple();
+void paged_prefill_attention_fp32_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
+                                            torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
+                                            double v_tensor_scale, int64_t format, torch::Tensor block_tables,
+                                            torch::Tensor query_starts, torch::Tensor num_past, double scale,
+                                            int64_t sliding_window, torch::Tensor out);
+void paged_prefill_attention_bf16_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
+                                            torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
+                                            double v_tensor_scale, int64_t format, torch::Tensor block_tables,
+                                            torch::Tensor query_starts, torch::Tensor num_past, double scale,
+                                            int64_t sliding_window, torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
@@ -561,6 +667,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_fp32_head_dim_multiple", &prefill_attention_fp32_head_dim_multiple,
         "head_dim multiple the fp32 prefill kernel needs (0: not built)");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
+        "decode attention over a paged fp8/int8/int4 KV cache (CPU)");
+  m.def("paged_prefill_attention_fp32_quantized", &paged_prefill_attention_fp32_quantized,
+        "fp32 prefill attention over a paged fp8/int8/int4 KV cache (CPU, AVX2 or AVX-512)");
+  m.def("paged_prefill_attention_bf16_quantized", &paged_prefill_attention_bf16_quantized,
+        "bf16 prefill attention over a paged fp8/int8/int4 KV cache (CPU, AVX512-BF16)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm of the residual (CPU)");
   m.def("rotary_qk_", &rotary_qk_, "rotary embedding in place on q and k of a fused qkv tensor (CPU)");

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv_dequant.h"
 #include "prefill_plan.h"
 #include "simd.h"
 
@@ -39,19 +40,40 @@ constexpr float kNoScore = -1e30f;   // not -inf: the kernels are built with -ff
 
 inline __m512bh as_bf16_pairs(__m512i x) { return (__m512bh)x; }
 
-// Copies keys [key_begin, key_begin + num_keys) of one KV head into the packed layouts; padding stays zero.
+// Key i's bf16 row into the packed K tiles and V pairs; padding stays zero.
+inline void place_row(int64_t i, const uint16_t* k_row, const uint16_t* v_row, int64_t head_dim, uint16_t* k_packed,
+                      uint16_t* v_packed) {
+  uint32_t* tile = reinterpret_cast<uint32_t*>(k_packed + (i / kKeyTile) * kKeyTile * head_dim);
+  const uint32_t* k_pairs = reinterpret_cast<const uint32_t*>(k_row);
+  for (int64_t dp = 0; dp < head_dim / 2; ++dp) tile[dp * kKeyTile + i % kKeyTile] = k_pairs[dp];
+  uint16_t* v_pair = v_packed + (i / 2) * 2 * head_dim + i % 2;
+  for (int64_t d = 0; d < head_dim; ++d) v_pair[2 * d] = v_row[d];
+}
+
+// Copies keys [key_begin, key_begin + num_keys) of one KV head into the packed layouts.
 void pack_head(const Segment& seg, const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
                int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, uint16_t* k_packed, uint16_t* v_packed) {
-  const int64_t half = head_dim / 2;
   for (int64_t i = 0; i < seg.num_keys; ++i) {
     const int64_t slot = prefill::key_slot(seg, i, block_size);
-    const uint16_t* k_row = k_cache + (slot * num_kv_heads + kv_head) * head_dim;
-    const uint16_t* v_row = v_cache + (slot * num_kv_heads + kv_head) * head_dim;
-    uint32_t* tile = reinterpret_cast<uint32_t*>(k_packed + (i / kKeyTile) * kKeyTile * head_dim);
-    const uint32_t* k_pairs = reinterpret_cast<const uint32_t*>(k_row);
-    for (int64_t dp = 0; dp < half; ++dp) tile[dp * kKeyTile + i % kKeyTile] = k_pairs[dp];
-    uint16_t* v_pair = v_packed + (i / 2) * 2 * head_dim + i % 2;
-    for (int64_t d = 0; d < head_dim; ++d) v_pair[2 * d] = v_row[d];
+    place_row(i, k_cache + (slot * num_kv_heads + kv_head) * head_dim, v_cache + (slot * num_kv_heads + kv_head) * head_dim,
+              head_dim, k_packed, v_packed);
+  }
+}
+
+// The same from a quantized cache (kv_dequant.h): each row decoded to fp32, rounded to bf16 once.
+void pack_head_quantized(const Segment& seg, const kvq::Source& keys, const kvq::Source& values, int64_t block_size,
+                         int64_t kv_head, int64_t head_dim, uint16_t* k_packed, uint16_t* v_packed) {
+  std::vector<float> k_row(head_dim), v_row(head_dim);
+  std::vector<uint16_t> k_bits(head_dim), v_bits(head_dim);
+  for (int64_t i = 0; i < seg.num_keys; ++i) {
+    const int64_t slot = prefill::key_slot(seg, i, block_size);
+    keys.decode(slot, kv_head, k_row.data());
+    values.decode(slot, kv_head, v_row.data());
+    for (int64_t d = 0; d < head_dim; ++d) {
+      k_bits[d] = c10::BFloat16(k_row[d]).x;
+      v_bits[d] = c10::BFloat16(v_row[d]).x;
+    }
+    place_row(i, k_bits.data(), v_bits.data(), head_dim, k_packed, v_packed);
   }
 }
 
@@ -219,6 +241,36 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
 
 }  // namespace
 
+namespace {
+
+// Plans, packs each (segment, KV head) with pack(seg, head, k_dst, v_dst), and attends; `cache_shape` is the
+// cache's [num_blocks, block_size, num_kv_heads, ...].
+template <typename Pack>
+void prefill_bf16(const torch::Tensor& q, at::IntArrayRef cache_shape, const torch::Tensor& block_tables,
+                  const torch::Tensor& query_starts, const torch::Tensor& num_past, double scale,
+                  int64_t sliding_window, torch::Tensor& out, Pack&& pack) {
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "the bf16 prefill kernel takes a bf16 query and output");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
+  TORCH_CHECK(out.is_contiguous(), "out contiguous");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = cache_shape[1], num_kv_heads = cache_shape[2];
+  TORCH_CHECK(head_dim % 64 == 0, "head_dim must be a multiple of 64");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const Shape shape{head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0), sliding_window,
+                    static_cast<float>(scale)};
+  const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  prefill::pack_and_attend<Scratch, uint16_t>(
+      block_tables, query_starts, num_past, block_size, num_kv_heads, head_dim, shape.group, sliding_window, kChunk,
+      kRowsTarget, q.options(), pack,
+      [&](const prefill::Task& t, const Segment& seg, const uint16_t* k_src, const uint16_t* v_src, Scratch& scratch) {
+        attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, k_src, v_src, out_ptr, scratch);
+      });
+}
+
+}  // namespace
+
 // q: [tokens, num_heads, head_dim] bf16 (token stride free: a view of the fused qkv works); out: [tokens,
 // num_heads * head_dim] bf16, written only at the segments' rows. caches: [num_blocks, block_size,
 // num_kv_heads, head_dim] bf16, already holding the new tokens' K/V. Segment s covers query rows
@@ -227,39 +279,31 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
 void paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                   torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
                                   double scale, int64_t sliding_window, torch::Tensor out) {
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-              v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "paged_prefill_attention_bf16 takes bf16 query, cache and output");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "cache and out contiguous");
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(head_dim % 64 == 0, "head_dim must be a multiple of 64");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  const Shape shape{head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0), sliding_window,
-                    static_cast<float>(scale)};
-  int64_t packed_size = 0;  // per KV head
-  const std::vector<Segment> segments = prefill::plan_segments(block_tables, query_starts, num_past, block_size,
-                                                               head_dim, sliding_window, kChunk, packed_size);
-  auto k_packed = torch::zeros({num_kv_heads, packed_size}, k_cache.options());
-  auto v_packed = torch::zeros({num_kv_heads, packed_size}, v_cache.options());
+  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16,
+              "paged_prefill_attention_bf16 takes a bf16 cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches contiguous");
+  const int64_t head_dim = q.size(2), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const uint16_t* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  uint16_t* kp = reinterpret_cast<uint16_t*>(k_packed.data_ptr<at::BFloat16>());
-  uint16_t* vp = reinterpret_cast<uint16_t*>(v_packed.data_ptr<at::BFloat16>());
-  const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const std::vector<prefill::Task> tasks = prefill::plan_tasks(segments, num_kv_heads, shape.group, kRowsTarget);
-  prefill::run<Scratch>(
-      segments, tasks, num_kv_heads,
-      [&](const Segment& seg, int64_t h) {
-        pack_head(seg, k_ptr, v_ptr, block_size, num_kv_heads, h, head_dim, kp + h * packed_size + seg.packed_offset,
-                  vp + h * packed_size + seg.packed_offset);
-      },
-      [&](const prefill::Task& t, const Segment& seg, Scratch& scratch) {
-        attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, kp + t.kv_head * packed_size + seg.packed_offset,
-                     vp + t.kv_head * packed_size + seg.packed_offset, out_ptr, scratch);
-      });
+  prefill_bf16(q, k_cache.sizes(), block_tables, query_starts, num_past, scale, sliding_window, out,
+               [&](const Segment& seg, int64_t h, uint16_t* k_dst, uint16_t* v_dst) {
+                 pack_head(seg, k_ptr, v_ptr, block_size, num_kv_heads, h, head_dim, k_dst, v_dst);
+               });
+}
+
+// The same over a quantized cache (the arguments of paged_decode_attention_quantized).
+void paged_prefill_attention_bf16_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
+                                            torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
+                                            double v_tensor_scale, int64_t format, torch::Tensor block_tables,
+                                            torch::Tensor query_starts, torch::Tensor num_past, double scale,
+                                            int64_t sliding_window, torch::Tensor out) {
+  const int64_t head_dim = q.size(2), block_size = k_data.size(1);
+  const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim);
+  const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim);
+  prefill_bf16(q, k_data.sizes(), block_tables, query_starts, num_past, scale, sliding_window, out,
+               [&](const Segment& seg, int64_t h, uint16_t* k_dst, uint16_t* v_dst) {
+                 pack_head_quantized(seg, keys, values, block_size, h, head_dim, k_dst, v_dst);
+               });
 }
 
 bool has_prefill_attention_bf16() { return true; }
@@ -272,5 +316,11 @@ void paged_prefill_attention_bf16(torch::Tensor, torch::Tensor, torch::Tensor, t
 }
 
 bool has_prefill_attention_bf16() { return false; }
+
+void paged_prefill_attention_bf16_quantized(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                                            double, double, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
+                                            double, int64_t, torch::Tensor) {
+  TORCH_CHECK(false, "the bf16 prefill attention kernel needs a CPU with AVX512-BF16");
+}
 
 #endif

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_dequant.h"
 #include "prefill_plan.h"
 #include "simd.h"
 
@@ -50,6 +51,19 @@ void pack_head(const Segment& seg, const cache_t* k_cache, const cache_t* v_cach
     } else {
       for (int64_t d = 0; d < head_dim; ++d) v_packed[i * head_dim + d] = static_cast<float>(v_row[d]);
     }
+  }
+}
+
+// A quantized cache (kv_dequant.h) is decoded here, once per key, into the same layouts.
+void pack_head_quantized(const Segment& seg, const kvq::Source& keys, const kvq::Source& values, int64_t block_size,
+                         int64_t kv_head, int64_t head_dim, float* k_packed, float* v_packed, std::vector<float>& row) {
+  row.resize(head_dim);
+  for (int64_t i = 0; i < seg.num_keys; ++i) {
+    const int64_t slot = prefill::key_slot(seg, i, block_size);
+    keys.decode(slot, kv_head, row.data());
+    float* tile = k_packed + (i / kLanes) * kLanes * head_dim + i % kLanes;
+    for (int64_t d = 0; d < head_dim; ++d) tile[d * kLanes] = row[d];
+    values.decode(slot, kv_head, v_packed + i * head_dim);
   }
 }
 
@@ -208,6 +222,36 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
 
 }  // namespace
 
+namespace {
+
+// Plans, packs each (segment, KV head) with pack(seg, head, k_dst, v_dst), and attends; `cache_shape` is the
+// cache's [num_blocks, block_size, num_kv_heads, ...].
+template <typename Pack>
+void prefill_fp32(const torch::Tensor& q, at::IntArrayRef cache_shape, const torch::Tensor& block_tables,
+                  const torch::Tensor& query_starts, const torch::Tensor& num_past, double scale,
+                  int64_t sliding_window, torch::Tensor& out, Pack&& pack) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
+              "the fp32 prefill kernel takes an fp32 query and output");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
+  TORCH_CHECK(out.is_contiguous(), "out contiguous");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = cache_shape[1], num_kv_heads = cache_shape[2];
+  TORCH_CHECK(head_dim % kLanes == 0, "head_dim must be a multiple of ", kLanes);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const Shape shape{head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0), sliding_window,
+                    static_cast<float>(scale)};
+  const float* q_ptr = q.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  prefill::pack_and_attend<Scratch, float>(
+      block_tables, query_starts, num_past, block_size, num_kv_heads, head_dim, shape.group, sliding_window, kChunk,
+      kRowsTarget, q.options(), pack,
+      [&](const prefill::Task& t, const Segment& seg, const float* k_src, const float* v_src, Scratch& scratch) {
+        attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, k_src, v_src, out_ptr, scratch);
+      });
+}
+
+}  // namespace
+
 // Same contract as paged_prefill_attention_bf16, in fp32: q [tokens, num_heads, head_dim] (token stride free),
 // out [tokens, num_heads * head_dim] written only at the segments' rows, caches holding the new tokens' K/V
 // (fp32, or bf16/fp16 under an fp32 model, widened while packing).
@@ -215,47 +259,39 @@ void paged_prefill_attention_fp32(torch::Tensor q, torch::Tensor k_cache, torch:
                                   torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
                                   double scale, int64_t sliding_window, torch::Tensor out) {
   const auto cache_type = k_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == cache_type &&
+  TORCH_CHECK(v_cache.scalar_type() == cache_type &&
               (cache_type == torch::kFloat || cache_type == torch::kBFloat16 || cache_type == torch::kHalf),
-              "paged_prefill_attention_fp32 takes an fp32 query and output, and an fp32, bf16 or fp16 cache");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "cache and out contiguous");
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(head_dim % kLanes == 0, "head_dim must be a multiple of ", kLanes);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  const Shape shape{head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0), sliding_window,
-                    static_cast<float>(scale)};
-  int64_t packed_size = 0;
-  const std::vector<Segment> segments = prefill::plan_segments(block_tables, query_starts, num_past, block_size,
-                                                               head_dim, sliding_window, kChunk, packed_size);
-  auto k_packed = torch::zeros({num_kv_heads, packed_size}, q.options());
-  auto v_packed = torch::zeros({num_kv_heads, packed_size}, q.options());
-  float* kp = k_packed.data_ptr<float>();
-  float* vp = v_packed.data_ptr<float>();
-  const float* q_ptr = q.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const std::vector<prefill::Task> tasks = prefill::plan_tasks(segments, num_kv_heads, shape.group, kRowsTarget);
-  prefill::run<Scratch>(
-      segments, tasks, num_kv_heads,
-      [&](const Segment& seg, int64_t h) {
-        float* k_dst = kp + h * packed_size + seg.packed_offset;
-        float* v_dst = vp + h * packed_size + seg.packed_offset;
-        if (cache_type == torch::kBFloat16)
-          pack_head(seg, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_size, num_kv_heads,
-                    h, head_dim, k_dst, v_dst);
-        else if (cache_type == torch::kHalf)
-          pack_head(seg, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), block_size, num_kv_heads, h,
-                    head_dim, k_dst, v_dst);
-        else
-          pack_head(seg, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_size, num_kv_heads, h, head_dim,
-                    k_dst, v_dst);
-      },
-      [&](const prefill::Task& t, const Segment& seg, Scratch& scratch) {
-        attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, kp + t.kv_head * packed_size + seg.packed_offset,
-                     vp + t.kv_head * packed_size + seg.packed_offset, out_ptr, scratch);
-      });
+              "paged_prefill_attention_fp32 takes an fp32, bf16 or fp16 cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches contiguous");
+  const int64_t head_dim = q.size(2), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  prefill_fp32(q, k_cache.sizes(), block_tables, query_starts, num_past, scale, sliding_window, out,
+               [&](const Segment& seg, int64_t h, float* k_dst, float* v_dst) {
+                 if (cache_type == torch::kBFloat16)
+                   pack_head(seg, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_size,
+                             num_kv_heads, h, head_dim, k_dst, v_dst);
+                 else if (cache_type == torch::kHalf)
+                   pack_head(seg, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), block_size, num_kv_heads,
+                             h, head_dim, k_dst, v_dst);
+                 else
+                   pack_head(seg, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_size, num_kv_heads, h,
+                             head_dim, k_dst, v_dst);
+               });
+}
+
+// The same over a quantized cache (the arguments of paged_decode_attention_quantized).
+void paged_prefill_attention_fp32_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
+                                            torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
+                                            double v_tensor_scale, int64_t format, torch::Tensor block_tables,
+                                            torch::Tensor query_starts, torch::Tensor num_past, double scale,
+                                            int64_t sliding_window, torch::Tensor out) {
+  const int64_t head_dim = q.size(2), block_size = k_data.size(1);
+  const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim);
+  const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim);
+  prefill_fp32(q, k_data.sizes(), block_tables, query_starts, num_past, scale, sliding_window, out,
+               [&](const Segment& seg, int64_t h, float* k_dst, float* v_dst) {
+                 thread_local std::vector<float> row;
+                 pack_head_quantized(seg, keys, values, block_size, h, head_dim, k_dst, v_dst, row);
+               });
 }
 
 int64_t prefill_attention_fp32_head_dim_multiple() { return kLanes; }
@@ -268,5 +304,11 @@ void paged_prefill_attention_fp32(torch::Tensor, torch::Tensor, torch::Tensor, t
 }
 
 int64_t prefill_attention_fp32_head_dim_multiple() { return 0; }
+
+void paged_prefill_attention_fp32_quantized(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                                            double, double, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
+                                            double, int64_t, torch::Tensor) {
+  TORCH_CHECK(false, "the fp32 prefill attention kernel needs AVX2 + FMA or AVX-512");
+}
 
 #endif

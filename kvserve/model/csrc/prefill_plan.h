@@ -89,4 +89,31 @@ void run(const std::vector<Segment>& segments, const std::vector<Task>& tasks, i
   }
 }
 
+// The whole plan: segments and tasks, a packed K and V buffer of `elem_t` per KV head, then both phases.
+// pack(seg, head, k_dst, v_dst) fills one pair's packed keys and values; attend(task, seg, k_src, v_src, scratch)
+// reads them.
+template <typename Scratch, typename elem_t, typename Pack, typename Attend>
+void pack_and_attend(const torch::Tensor& block_tables, const torch::Tensor& query_starts,
+                     const torch::Tensor& num_past, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t group, int64_t sliding_window, int64_t chunk, int64_t rows_target,
+                     torch::TensorOptions options, Pack&& pack, Attend&& attend) {
+  int64_t packed_size = 0;  // per KV head
+  const std::vector<Segment> segments = plan_segments(block_tables, query_starts, num_past, block_size, head_dim,
+                                                      sliding_window, chunk, packed_size);
+  auto k_packed = torch::zeros({num_kv_heads, packed_size}, options);
+  auto v_packed = torch::zeros({num_kv_heads, packed_size}, options);
+  elem_t* kp = reinterpret_cast<elem_t*>(k_packed.data_ptr());
+  elem_t* vp = reinterpret_cast<elem_t*>(v_packed.data_ptr());
+  const std::vector<Task> tasks = plan_tasks(segments, num_kv_heads, group, rows_target);
+  run<Scratch>(
+      segments, tasks, num_kv_heads,
+      [&](const Segment& seg, int64_t h) {
+        pack(seg, h, kp + h * packed_size + seg.packed_offset, vp + h * packed_size + seg.packed_offset);
+      },
+      [&](const Task& t, const Segment& seg, Scratch& scratch) {
+        attend(t, seg, kp + t.kv_head * packed_size + seg.packed_offset, vp + t.kv_head * packed_size + seg.packed_offset,
+               scratch);
+      });
+}
+
 }  // namespace prefill

@@ -1,0 +1,170 @@
+"""Quantized KV formats: how one head vector of K or V becomes bytes and scales, and back (torch, any device).
+
+The formats and their byte counts are the planner's (planner/kv.py, `KVFormat`); this file is their codec:
+
+- `fp8_e4m3`, `fp8_e5m2`: one byte per element, x / scale in the fp8 type, one fp32 scale per layer for K and
+  one for V (vLLM's per-tensor `k_scale`/`v_scale`, 1.0 unless calibrated). Values beyond the type's range
+  saturate instead of becoming NaN.
+- `int8`: one byte per element, symmetric, one power-of-two scale per (token, KV head) vector, stored as its
+  biased exponent in one byte (E8M0, as OCP's MX formats do): the smallest 2^e >= absmax / 127.
+- `int4`: two elements per byte (low nibble first), symmetric, one fp16 scale per 32 elements (absmax / 7;
+  the code is q + 8 in 1..15). Keys and values are rotated by a fixed orthogonal matrix first
+  (`rotation_matrix`): a rotation spreads a head's outlier channels over all of them, so one group's scale no
+  longer has to cover a channel 10x larger than the rest. Attention rotates the query the same way
+  (q.k is unchanged) and rotates its output back (the output is a sum of rotated values).
+
+Scales are rounded to their stored form before the data is quantized with them, so what is decoded is what was
+encoded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.planner.kv import INT4_GROUP_SIZE, kv_format, kv_scales_per_vector
+
+QUANTIZED_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+SCALE_DTYPE = torch.float16
+_TINY = 1e-8  # a zero vector still gets a positive scale
+
+
+@dataclass(frozen=True, slots=True)
+class KVCodec:
+    """One quantized format for vectors of `head_dim` elements."""
+
+    name: str  # one of QUANTIZED_KV_DTYPES
+    head_dim: int
+
+    @property
+    def data_dtype(self) -> torch.dtype:
+        return torch.int8 if self.name == "int8" else torch.uint8  # fp8 bytes are kept as uint8
+
+    @property
+    def data_dim(self) -> int:
+        """Elements of `data_dtype` per head vector."""
+        return self.head_dim // 2 if self.name == "int4" else self.head_dim
+
+    @property
+    def scales_per_vector(self) -> int:
+        """Scales per head vector; 0 for fp8 (its scale is one per layer)."""
+        return kv_scales_per_vector(kv_format(self.name), self.head_dim)
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.name == "int8" else SCALE_DTYPE
+
+    @property
+    def rotates(self) -> bool:
+        return self.name == "int4"
+
+    def encode(self, x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [..., head_dim] (float) -> (data [..., data_dim], scales [..., scales_per_vector] fp16 or None)."""
+        if self.name in FP8_DTYPES:
+            return encode_fp8(x, FP8_DTYPES[self.name], tensor_scale), None
+        if self.name == "int8":
+            return encode_int8(x)
+        return encode_int4(x)
+
+    def decode(self, data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
+               tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The inverse of encode, in `dtype`."""
+        if self.name in FP8_DTYPES:
+            return decode_fp8(data, FP8_DTYPES[self.name], tensor_scale, dtype)
+        if self.name == "int8":
+            return (data.to(torch.float32) * _exponent_scale(scales)).to(dtype)
+        return decode_int4(data, scales, self.head_dim).to(dtype)
+
+
+def codec_for(kv_cache_dtype: str, head_dim: int) -> KVCodec | None:
+    """The codec of a --kv-cache-dtype (vLLM's `fp8` is e4m3); None for the unquantized dtypes."""
+    name = kv_format(kv_cache_dtype).name
+    if name not in QUANTIZED_KV_DTYPES:
+        return None
+    if name == "int4" and head_dim % 2:
+        raise ValueError(f"--kv-cache-dtype int4 packs two elements per byte and needs an even head_dim, got {head_dim}")
+    return KVCodec(name, head_dim)
+
+
+def encode_fp8(x: torch.Tensor, fp8: torch.dtype, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+    limit = torch.finfo(fp8).max
+    scaled = x.to(torch.float32)
+    if tensor_scale is not None:
+        scaled = scaled / tensor_scale
+    return scaled.clamp(-limit, limit).to(fp8).view(torch.uint8)
+
+
+def decode_fp8(data: torch.Tensor, fp8: torch.dtype, tensor_scale: torch.Tensor | None, dtype: torch.dtype
+               ) -> torch.Tensor:
+    values = data.view(fp8).to(torch.float32)
+    if tensor_scale is not None:
+        values = values * tensor_scale
+    return values.to(dtype)
+
+
+def _symmetric_scales(groups: torch.Tensor, max_code: int) -> torch.Tensor:
+    """fp16 scales of groups [..., n] (absmax / max_code, rounded to fp16, never zero) as [..., 1] fp32."""
+    absmax = groups.abs().amax(dim=-1, keepdim=True)
+    return (absmax / max_code).clamp_min(_TINY).to(SCALE_DTYPE).to(torch.float32)
+
+
+E8M0_BIAS = 127
+
+
+def encode_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.to(torch.float32)
+    absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min(_TINY)
+    exponents = torch.ceil(torch.log2(absmax / 127)).clamp_(-E8M0_BIAS, 127)
+    data = torch.round(x * torch.exp2(-exponents)).clamp_(-127, 127).to(torch.int8)
+    return data, (exponents + E8M0_BIAS).to(torch.uint8)
+
+
+def _exponent_scale(biased: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(biased.to(torch.float32) - E8M0_BIAS)
+
+
+def _int4_groups(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] -> [..., groups, 32], the last group zero-padded when head_dim is not a multiple of 32."""
+    head_dim = x.shape[-1]
+    padded = math.ceil(head_dim / INT4_GROUP_SIZE) * INT4_GROUP_SIZE
+    if padded != head_dim:
+        x = torch.nn.functional.pad(x, (0, padded - head_dim))
+    return x.view(*x.shape[:-1], padded // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+
+
+def encode_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    head_dim = x.shape[-1]
+    groups = _int4_groups(x.to(torch.float32))
+    scales = _symmetric_scales(groups, 7)
+    codes = (torch.round(groups / scales).clamp_(-7, 7) + 8).to(torch.uint8).flatten(-2)[..., :head_dim]
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, scales.squeeze(-1).to(SCALE_DTYPE)
+
+
+def decode_int4(data: torch.Tensor, scales: torch.Tensor, head_dim: int) -> torch.Tensor:
+    low = (data & 0x0F).to(torch.int16)
+    high = (data >> 4).to(torch.int16)
+    codes = torch.stack((low, high), dim=-1).flatten(-2) - 8  # [..., head_dim]
+    groups = _int4_groups(codes.to(torch.float32))
+    return (groups * scales.to(torch.float32).unsqueeze(-1)).flatten(-2)[..., :head_dim]
+
+
+def rotation_matrix(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A fixed orthogonal [head_dim, head_dim] fp32 matrix: a Hadamard matrix with random column signs when
+    head_dim is a power of two (every entry +-1/sqrt(d), so any one channel is spread evenly over all), otherwise
+    the Q factor of a seeded Gaussian. Fixed seed: the same on every run and machine, so stored blocks stay
+    readable."""
+    generator = torch.Generator().manual_seed(0x6B76)
+    if head_dim & (head_dim - 1) == 0:
+        matrix = torch.ones(1, 1)
+        while matrix.shape[0] < head_dim:
+            matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
+        signs = torch.randint(0, 2, (head_dim,), generator=generator).float() * 2 - 1
+        matrix = matrix * signs / math.sqrt(head_dim)
+    else:
+        matrix, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64))
+        matrix = matrix.float()
+    return matrix.to(device)

@@ -1,0 +1,151 @@
+// Quantized KV rows -> fp32, for the kernels that read a quantized cache (kvserve/cache/kv_quant.py is the
+// format's definition; this is its decoder, and the two are tested against each other).
+//
+// A row is one (slot, KV head) vector of `head_dim` elements:
+//   fp8_e4m3 / fp8_e5m2: one byte per element, times the layer's tensor scale. Both are widened through fp16
+//     bits (e5m2 is the top byte of an fp16; e4m3's exponent and mantissa shift into an fp16 whose value is
+//     2^-8 of e4m3's, subnormals included), so the hardware's fp16 conversion does the work.
+//   int8: one signed byte per element times the row's power-of-two scale, stored as a biased exponent byte.
+//   int4: two codes per byte (low nibble first), code - 8 times the fp16 scale of each group of 32 elements.
+#pragma once
+
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace kvq {
+
+enum Format : int64_t { kFp8E4m3 = 1, kFp8E5m2 = 2, kInt8 = 3, kInt4 = 4 };
+constexpr int64_t kInt4Group = 32;
+
+inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+inline uint16_t fp8_to_half_bits(uint8_t b, int64_t format) {
+  if (format == kFp8E5m2) return static_cast<uint16_t>(b) << 8;
+  return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7));
+}
+
+// One of K or V of one layer, as the kernels receive it.
+struct Source {
+  const uint8_t* data;     // [slots, num_kv_heads, data_dim] bytes (int8 read as signed)
+  const void* scales;      // [slots, num_kv_heads, groups]: int8's exponent bytes, int4's fp16 bits; null for fp8
+  float tensor_scale;      // fp8's per-layer scale (1 for the others)
+  int64_t format, head_dim, num_kv_heads;
+
+  int64_t data_dim() const { return format == kInt4 ? head_dim / 2 : head_dim; }
+  int64_t groups() const { return format == kInt4 ? (head_dim + kInt4Group - 1) / kInt4Group : 1; }
+  const uint8_t* row_data(int64_t slot, int64_t head) const { return data + (slot * num_kv_heads + head) * data_dim(); }
+  const uint16_t* row_fp16_scales(int64_t slot, int64_t head) const {
+    return static_cast<const uint16_t*>(scales) + (slot * num_kv_heads + head) * groups();
+  }
+  float row_exponent_scale(int64_t slot, int64_t head) const {  // 2^(e - 127): e is the fp32 exponent field
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint8_t*>(scales)[slot * num_kv_heads + head]) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return scale;
+  }
+  // Asks for a row's bytes ahead of use (strided rows: hardware prefetchers follow them poorly).
+  void prefetch(int64_t slot, int64_t head) const {
+#if defined(KVSERVE_SIMD)
+    const char* p = reinterpret_cast<const char*>(row_data(slot, head));
+    for (int64_t byte = 0; byte < data_dim(); byte += 64) _mm_prefetch(p + byte, _MM_HINT_T0);
+#endif
+  }
+
+  void decode(int64_t slot, int64_t head, float* dst) const {
+    const uint8_t* row = row_data(slot, head);
+    if (format == kInt8) return decode_int8(reinterpret_cast<const int8_t*>(row), row_exponent_scale(slot, head), dst);
+    if (format == kInt4) return decode_int4(row, row_fp16_scales(slot, head), dst);
+    decode_fp8(row, dst);
+  }
+
+ private:
+  void decode_int8(const int8_t* row, float scale, float* dst) const {
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(row[d]) * scale;  // auto-vectorised
+  }
+
+  void decode_fp8(const uint8_t* row, float* dst) const {
+    // e4m3 through fp16 comes out 2^-8 too small: fold 256 into the scale.
+    const float scale = format == kFp8E4m3 ? tensor_scale * 256.f : tensor_scale;
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (; d + 16 <= head_dim; d += 16) {
+      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
+      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(fp8_bits(bytes)), vscale));
+    }
+#elif defined(KVSERVE_SIMD)
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (; d + 8 <= head_dim; d += 8) {
+      const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(fp8_bits(bytes)), vscale));
+    }
+#endif
+    for (; d < head_dim; ++d) dst[d] = half_to_float(fp8_to_half_bits(row[d], format)) * scale;
+  }
+
+#if defined(__AVX512F__)
+  __m256i fp8_bits(__m256i b) const {  // 16-bit lanes holding one fp8 byte each -> fp16 bits
+    if (format == kFp8E5m2) return _mm256_slli_epi16(b, 8);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    return _mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+  }
+#elif defined(KVSERVE_SIMD)
+  __m128i fp8_bits(__m128i b) const {
+    if (format == kFp8E5m2) return _mm_slli_epi16(b, 8);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    return _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+  }
+#endif
+
+  void decode_int4(const uint8_t* row, const uint16_t* scales, float* dst) const {
+    int64_t d = 0;
+#if defined(KVSERVE_SIMD)
+    for (; d + kInt4Group <= head_dim; d += kInt4Group) {
+      // 16 bytes = 32 codes: split the nibbles and interleave them back into element order.
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+      const __m128i first = _mm_unpacklo_epi8(low, high), second = _mm_unpackhi_epi8(low, high);
+      const float scale = half_to_float(scales[d / kInt4Group]);
+#if defined(__AVX512F__)
+      const __m512 vscale = _mm512_set1_ps(scale), offset = _mm512_set1_ps(8.f);
+      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)), offset), vscale));
+      _mm512_storeu_ps(dst + d + 16, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)), offset), vscale));
+#else
+      const __m256 vscale = _mm256_set1_ps(scale), offset = _mm256_set1_ps(8.f);
+      const __m128i parts[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(dst + d + 8 * i,
+                         _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), offset), vscale));
+#endif
+    }
+#endif
+    for (; d < head_dim; ++d) {
+      const uint8_t byte = row[d / 2];
+      const int code = (d % 2 ? byte >> 4 : byte & 0x0F) - 8;
+      dst[d] = static_cast<float>(code) * half_to_float(scales[d / kInt4Group]);
+    }
+  }
+};
+
+// Builds a Source from the tensors kvserve/cache/kv_storage.py keeps (scales may be an empty tensor for fp8).
+inline Source make_source(const torch::Tensor& data, const torch::Tensor& scales, double tensor_scale,
+                          int64_t format, int64_t head_dim) {
+  TORCH_CHECK(format >= kFp8E4m3 && format <= kInt4, "unknown quantized KV format ", format);
+  TORCH_CHECK(data.is_contiguous() && data.element_size() == 1, "quantized KV data: contiguous bytes");
+  TORCH_CHECK(format != kInt8 || (scales.is_contiguous() && scales.scalar_type() == torch::kByte),
+              "int8 KV scales: contiguous uint8 exponents");
+  TORCH_CHECK(format != kInt4 || (scales.is_contiguous() && scales.scalar_type() == torch::kHalf),
+              "int4 KV scales: contiguous fp16");
+  const bool scaled = format == kInt8 || format == kInt4;
+  return Source{static_cast<const uint8_t*>(data.data_ptr()), scaled ? scales.data_ptr() : nullptr,
+                static_cast<float>(tensor_scale), format, head_dim, data.size(2)};
+}
+
+}  // namespace kvq

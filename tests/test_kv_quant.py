@@ -1,0 +1,229 @@
+"""Quantized KV caches (fp8_e4m3, fp8_e5m2, int8, int4): the codec, the bytes the pool allocates (the planner's
+formula), the CPU kernels against dequantize-then-attend on every ISA family, and the engine over them."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvserve.cache.kv_quant import QUANTIZED_KV_DTYPES, codec_for, rotation_matrix
+from kvserve.cache.kv_storage import LayerKVCache, allocate_kv_storage
+from kvserve.cli import main as kvserve_main
+from kvserve.engine.llm import LLM
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.model.cpu_kernels import decode_kernel, prefill_kernel
+from kvserve.planner.kv import kv_block_bytes
+from kvserve.planner.specs import spec_from_hf_config
+
+from test_paged_attention import FAMILIES, PREFILL_CASES, Spec, check_prefill, kernels_for, reference
+
+FORMATS = pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES)
+
+
+def encode_decode(kv_dtype, x):
+    codec = codec_for(kv_dtype, x.shape[-1])
+    data, scales = codec.encode(x)
+    return codec.decode(data, scales, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_int_codecs_round_to_the_nearest_step(head_dim):
+    x = torch.randn(50, 3, head_dim, generator=torch.Generator().manual_seed(0)) * 3
+    int8 = encode_decode("int8", x)
+    step8 = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True) / 127)))  # a power of two
+    assert ((int8 - x).abs() <= step8 * 0.51 + 1e-6).all()
+    int4 = encode_decode("int4", x)
+    padded = torch.nn.functional.pad(x, (0, -head_dim % 32)).view(50, 3, -1, 32)
+    step4 = (padded.abs().amax(-1, keepdim=True) / 7).expand_as(padded).flatten(-2)[..., :head_dim]
+    assert ((int4 - x).abs() <= step4 * 0.51 + 1e-6).all()
+
+
+def test_fp8_saturates_instead_of_overflowing_and_zero_stays_zero():
+    x = torch.tensor([[[1e6, -1e6, 0.0, 1.0]]])
+    e4m3, e5m2 = encode_decode("fp8_e4m3", x), encode_decode("fp8_e5m2", x)
+    assert e4m3.tolist() == [[[448.0, -448.0, 0.0, 1.0]]]
+    assert e5m2.tolist() == [[[57344.0, -57344.0, 0.0, 1.0]]]
+    for kv_dtype in ("int8", "int4"):
+        assert encode_decode(kv_dtype, torch.zeros(2, 1, 64)).abs().max() == 0
+
+
+def test_rotation_is_orthogonal_and_fixed():
+    for dim in (64, 128, 40):
+        rotation = rotation_matrix(dim)
+        assert torch.allclose(rotation @ rotation.T, torch.eye(dim), atol=1e-5)
+        assert torch.equal(rotation, rotation_matrix(dim))  # stored blocks stay readable across restarts
+
+
+@FORMATS
+def test_pool_allocates_the_planners_bytes_per_block(tiny_model_dir, kv_dtype):
+    """One formula: the storage's bytes per block (data and scales) are the planner's kv_block_bytes."""
+    _, model = tiny_model_dir("llama")
+    spec = spec_from_hf_config(model.config.to_dict())
+    block_size, num_blocks = 16, 5
+    layers = allocate_kv_storage(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+                                 torch.float32, "cpu", kv_dtype)
+    allocated = sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors())
+    assert allocated == num_blocks * kv_block_bytes(spec, block_size, kv_dtype)
+
+
+def quantized_cache(kv_dtype, num_blocks, kv_heads, head_dim, generator, block_size=16):
+    """A quantized cache filled with random K/V, and the same K/V decoded into an fp32 cache (the reference)."""
+    cache = allocate_kv_storage(1, num_blocks, block_size, kv_heads, head_dim, torch.float32, "cpu", kv_dtype)[0]
+    slots = torch.arange(num_blocks * block_size)
+    shape = (len(slots), kv_heads, head_dim)
+    cache.write(slots, torch.randn(shape, generator=generator) * 2, torch.randn(shape, generator=generator))
+    keys, values = cache.gather(slots, torch.float32)
+    dense = LayerKVCache(keys.view(num_blocks, block_size, kv_heads, head_dim),
+                         values.view(num_blocks, block_size, kv_heads, head_dim))
+    return cache, dense
+
+
+@FAMILIES
+@FORMATS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(9, 3, 64, None), (8, 2, 128, 20), (6, 2, 40, None)])
+def test_decode_kernel_reads_quantized_cache_as_dequantize_then_attend(isa, kv_dtype, dtype, heads, kv_heads,
+                                                                        head_dim, window):
+    generator = torch.Generator().manual_seed(0)
+    cache, dense = quantized_cache(kv_dtype, 64, kv_heads, head_dim, generator)
+    lens = torch.tensor([1, 17, 40, 300, 700])  # 700: split into several 256-token parts and merged
+    max_blocks = -(-int(lens.max()) // 16)
+    tables = torch.stack([torch.randperm(64, generator=generator)[:max_blocks] for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, generator=generator).to(dtype)
+    spec = Spec(heads, kv_heads, head_dim)
+    kernel = decode_kernel(kernels_for(isa), dtype, cache)
+    got = kernel(q, cache, tables, lens, spec.scale, window or 0).view(len(lens), -1).float()
+    expected = reference(q, dense, tables, lens, spec, 16, window)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (got - expected).abs().max().item() < tolerance
+
+
+@FAMILIES
+@FORMATS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["chunks continuing a past, across online-softmax chunks", "sliding window"])
+def test_prefill_kernel_reads_quantized_cache_as_dequantize_then_attend(isa, kv_dtype, dtype, case):
+    heads, kv_heads, head_dim, lengths, pasts, window = PREFILL_CASES[case]
+    generator = torch.Generator().manual_seed(0)
+    num_blocks = sum(-(-(n + p) // 16) for n, p in zip(lengths, pasts)) + 4
+    cache, dense = quantized_cache(kv_dtype, num_blocks, kv_heads, head_dim, generator)
+    kernel = prefill_kernel(kernels_for(isa), dtype, head_dim, cache)
+    if kernel is None:
+        pytest.skip(f"no {dtype} prefill kernel in the {isa} family")
+    check_prefill(kernel, cache, dtype, heads, kv_heads, head_dim, lengths, pasts, window, generator, dense,
+                  tolerance=1e-4 if dtype == torch.float32 else 3e-2)
+
+
+def _llm(folder, kv_dtype, **overrides):
+    args = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_dtype=kv_dtype, max_num_seqs=8)
+    args.update(overrides)
+    return LLM(str(folder), **args)
+
+
+PROMPTS = [[5 + (i * 7 + j * 3) % 300 for j in range(40 + 23 * i)] for i in range(4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _tokens(llm, prompts=PROMPTS):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8"])
+def test_prefix_hits_chunks_and_preemption_give_the_cold_runs_tokens(tiny_model_dir, kv_dtype):
+    """A quantized cache is always read back, so a prefix-cache hit, a chunked prefill and a preempted and
+    recomputed request see the same K/V as a cold unchunked run; the portable path (CUDA's) agrees too."""
+    folder, _ = tiny_model_dir("llama")
+    cold = _tokens(_llm(folder, kv_dtype, enable_prefix_caching=False))
+    warm_llm = _llm(folder, kv_dtype)
+    _tokens(warm_llm)
+    assert _tokens(warm_llm) == cold
+    assert warm_llm.engine.kv_cache.stats.hits > 0
+    assert _tokens(_llm(folder, kv_dtype, max_num_batched_tokens=32, enable_prefix_caching=False)) == cold
+    preempting = _llm(folder, kv_dtype, num_gpu_blocks_override=10, max_model_len=128, max_num_batched_tokens=128,
+                      enable_prefix_caching=False)
+    assert _tokens(preempting) == cold
+    assert preempting.engine.scheduler.num_preemptions > 0
+    portable = _llm(folder, kv_dtype, enable_prefix_caching=False)
+    portable.engine.runner.decode_kernel = portable.engine.runner.prefill_kernel = None
+    assert _tokens(portable) == cold
+
+
+def test_int8_greedy_tokens_match_the_unquantized_cache(tiny_model_dir):
+    folder, _ = tiny_model_dir("qwen2")
+    reference, int8 = _tokens(_llm(folder, "auto")), _tokens(_llm(folder, "int8"))
+    same = sum(a == b for ref, got in zip(reference, int8) for a, b in zip(ref, got))
+    assert same >= 0.9 * sum(len(ref) for ref in reference)
+
+
+@pytest.mark.parametrize("kv_dtype,factor", [("fp8", 1.95), ("fp8_e5m2", 1.95), ("int8", 1.95), ("int4", 3.5)])
+def test_equal_pool_memory_holds_more_tokens_on_the_demo_model(kv_dtype, factor):
+    """At equal --kv-cache-memory the engine's pool holds >= 1.95x (8-bit) or 3.5x (int4) the tokens of bf16,
+    scales included (64-dim heads: int8 pays one exponent byte per vector, int4 two fp16 scales)."""
+    from kvserve.config import ModelLoadError
+    from kvserve.model.demo import demo_model_path
+
+    try:
+        demo = str(demo_model_path())
+    except ModelLoadError as exc:
+        pytest.skip(f"demo model not installed: {exc}")
+    pools = {name: LLM(demo, kv_cache_dtype=name, kv_cache_memory=0.05, max_model_len=512).engine.pool
+             for name in ("bfloat16", kv_dtype)}
+    assert pools[kv_dtype].num_tokens / pools["bfloat16"].num_tokens >= factor
+    assert pools[kv_dtype].num_blocks * pools[kv_dtype].block_bytes <= 0.05 * 2**30
+
+
+def test_eval_kv_reports_each_dtype_as_json(tiny_model_dir, tmp_path, capsys):
+    folder, _ = tiny_model_dir("llama")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 37} and more words {i}" for i in range(200)))
+    status = kvserve_main(["eval-kv", "--model", str(folder), "--dtype", "float32", "--text-file", str(text),
+                           "--num-tokens", "150", "--kv-cache-dtypes", "int8,int4", "--json", "--max-model-len", "256"])
+    assert status == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {row["kv_cache_dtype"]: row for row in result["results"]}
+    assert set(rows) == {"int8", "int4"} and result["num_tokens"] == 150
+    for row in rows.values():
+        assert row["num_tokens"] == 149 and math.isfinite(row["perplexity"]) and row["mean_kld"] >= 0
+    # int8 is closer to the model's precision than int4, by every measure.
+    assert rows["int8"]["mean_kld"] < rows["int4"]["mean_kld"]
+    assert rows["int8"]["top1_agreement"] >= rows["int4"]["top1_agreement"]
+
+
+def test_eval_kv_rejects_a_missing_text_file_in_one_line(tmp_path, capsys):
+    status = kvserve_main(["eval-kv", "--text-file", str(tmp_path / "missing.txt")])
+    assert status == 2
+    assert "missing.txt" in capsys.readouterr().err
+
+
+def test_calculate_kv_scales_calibrates_fp8_once_on_the_first_batch(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    llm = _llm(folder, "fp8", calculate_kv_scales=True)
+    caches = llm.engine.runner.kv_caches
+    assert all(c.calibrating and float(c.key_tensor_scale) == 1.0 for c in caches)
+    first = _tokens(llm)
+    scales = [(float(c.key_tensor_scale), float(c.value_tensor_scale)) for c in caches]
+    assert not any(c.calibrating for c in caches) and all(k != 1.0 and v != 1.0 for k, v in scales)
+    # Fixed from then on: a second run (prefix-cache hits on blocks written with these scales) agrees.
+    assert _tokens(llm) == first
+    assert [(float(c.key_tensor_scale), float(c.value_tensor_scale)) for c in caches] == scales
+
+
+def test_checkpoint_kv_scales_are_used_for_fp8(tiny_model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = tiny_model_dir("llama")
+    scaled = tmp_path / "scaled"
+    shutil.copytree(folder, scaled)
+    weights = load_file(scaled / "model.safetensors")
+    for layer in range(3):
+        weights[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.01 * (layer + 1))
+        weights[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.02 * (layer + 1))
+    save_file(weights, scaled / "model.safetensors", metadata={"format": "pt"})
+    caches = _llm(scaled, "fp8", calculate_kv_scales=True).engine.runner.kv_caches
+    assert [(round(float(c.key_tensor_scale), 4), round(float(c.value_tensor_scale), 4)) for c in caches] == \
+           [(0.01, 0.02), (0.02, 0.04), (0.03, 0.06)]
+    assert not any(c.calibrating for c in caches)  # the checkpoint's scales win over calibration
+    assert _llm(scaled, "auto").engine.runner.kv_caches[0].key_tensor_scale is None  # ignored without fp8
