@@ -126,6 +126,10 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "xxh3_128"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False  # fp8: per-layer scales from the first batch instead of 1.0 (vLLM's flag)
+    kv_offloading_size: float | None = None  # GiB of host memory for blocks evicted from the pool (vLLM's flag)
+    kv_offloading_backend: str = "native"
+    kv_disk_path: str | None = None  # a disk tier below the host tier, kept across restarts
+    kv_disk_size: float = 10.0  # GiB
     kv_cache_memory: float | None = None  # GiB for the pool on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE); None: default
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -154,6 +158,22 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def _validate_tiers(self) -> None:
+        cache = self.cache
+        if cache.kv_offloading_size is not None and cache.kv_offloading_size <= 0:
+            raise ValueError(f"--kv-offloading-size must be > 0 GiB, got {cache.kv_offloading_size}")
+        if cache.kv_offloading_backend != "native":
+            raise ValueError(f"--kv-offloading-backend {cache.kv_offloading_backend!r}: kvserve has 'native'")
+        if cache.kv_disk_size <= 0:
+            raise ValueError(f"--kv-disk-size must be > 0 GiB, got {cache.kv_disk_size}")
+        tiers = cache.kv_offloading_size is not None or cache.kv_disk_path is not None
+        if tiers and not cache.enable_prefix_caching:
+            raise ValueError("the KV tiers (--kv-offloading-size, --kv-disk-path) find blocks by their prefix hash: "
+                             "they need prefix caching (drop --no-enable-prefix-caching)")
+        if cache.kv_disk_path is not None and cache.calculate_kv_scales:
+            raise ValueError("--calculate-kv-scales picks new fp8 scales each run, so blocks on --kv-disk-path would "
+                             "not decode the same after a restart; use one or the other")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
@@ -188,5 +208,6 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or lpm, got {sched.scheduling_policy!r}")
         if self.parallel.tensor_parallel_size != 1:
             raise NotImplementedError("tensor parallelism (--tensor-parallel-size > 1) is not built yet")
+        self._validate_tiers()
         if cache.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")

@@ -120,12 +120,14 @@ def test_abort_frees_blocks_in_the_same_step(llm):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])  # int4: a quantized pool (data, scales, rotation)
+# int4: a quantized pool (data, scales, rotation); host tier: evictions offload, admissions load back.
+@pytest.mark.parametrize("kv_cache_dtype,host_tier_blocks", [("auto", None), ("int4", None), ("auto", 6)],
+                         ids=["plain", "int4", "host-tier"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step"]), st.integers(0, 10_000)), max_size=30))
-def test_random_add_abort_step_keeps_pool_invariants(tiny_model_dir, kv_cache_dtype, actions):
+def test_random_add_abort_step_keeps_pool_invariants(tiny_model_dir, kv_cache_dtype, host_tier_blocks, actions):
     folder, _ = tiny_model_dir("llama")
-    llm = _small_pool_llm(folder, kv_cache_dtype)
+    llm = _small_pool_llm(folder, kv_cache_dtype, host_tier_blocks)
     engine = llm.engine
     live: list[str] = []
     finished = []
@@ -147,13 +149,19 @@ def test_random_add_abort_step_keeps_pool_invariants(tiny_model_dir, kv_cache_dt
         finished += [o for o in engine.step() if o.finished]
         engine.kv_cache.check_invariants()
     assert all_free(llm)
+    if llm.engine.tiers is not None:  # nothing leaked in the tier: its bytes are its entries', within capacity
+        host = llm.engine.tiers.host
+        assert host.used_bytes == sum(p.numel() for p in host.entries.values()) <= host.capacity_bytes
     for output in finished:
         if output.prompt_logprobs is not None and output.outputs[0].finish_reason != "abort":
             assert len(output.prompt_logprobs) == len(output.prompt_token_ids)
             assert [e.token_id for e in output.prompt_logprobs[1:]] == output.prompt_token_ids[1:]
 
 
-def _small_pool_llm(folder, kv_cache_dtype="auto"):
+def _small_pool_llm(folder, kv_cache_dtype="auto", host_tier_blocks=None):
     # A fresh engine per example: a failing example must not leave state behind for the next one.
+    tier = {}
+    if host_tier_blocks:  # the tiny llama's fp32 block: 3 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 B
+        tier = {"kv_offloading_size": host_tier_blocks * 3 * 2 * 16 * 2 * 16 * 4 / 2**30}
     return LLM(str(folder), dtype="float32", device="cpu", max_model_len=128, num_gpu_blocks_override=12,
-               max_num_batched_tokens=48, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
+               max_num_batched_tokens=48, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype, **tier)

@@ -31,7 +31,7 @@ def encode_decode(kv_dtype, x):
 def test_int_codecs_round_to_the_nearest_step(head_dim):
     x = torch.randn(50, 3, head_dim, generator=torch.Generator().manual_seed(0)) * 3
     int8 = encode_decode("int8", x)
-    step8 = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True) / 127)))  # a power of two
+    step8 = x.abs().amax(-1, keepdim=True) / 127 * 1.125  # the scale byte rounds up by at most an eighth
     assert ((int8 - x).abs() <= step8 * 0.51 + 1e-6).all()
     int4 = encode_decode("int4", x)
     padded = torch.nn.functional.pad(x, (0, -head_dim % 32)).view(50, 3, -1, 32)
@@ -46,6 +46,16 @@ def test_fp8_saturates_instead_of_overflowing_and_zero_stays_zero():
     assert e5m2.tolist() == [[[57344.0, -57344.0, 0.0, 1.0]]]
     for kv_dtype in ("int8", "int4"):
         assert encode_decode(kv_dtype, torch.zeros(2, 1, 64)).abs().max() == 0
+
+
+def test_int8_scale_byte_rounds_up_by_at_most_an_eighth():
+    from kvserve.cache.kv_quant import decode_scale_byte, encode_scale_byte
+
+    scales = torch.logspace(-5.5, 3, 2000, base=10)
+    decoded = decode_scale_byte(encode_scale_byte(scales))
+    assert (decoded >= scales).all() and (decoded <= scales * 1.125 + 1e-12).all()
+    exact = torch.tensor([1.0, 1.125, 0.75, 2.0**-20, 1.875 * 2.0**11])
+    assert torch.equal(decode_scale_byte(encode_scale_byte(exact)), exact)
 
 
 def test_rotation_is_orthogonal_and_fixed():
@@ -149,24 +159,39 @@ def test_prefix_hits_chunks_and_preemption_give_the_cold_runs_tokens(tiny_model_
     assert _tokens(portable) == cold
 
 
-def test_int8_greedy_tokens_match_the_unquantized_cache(tiny_model_dir):
-    folder, _ = tiny_model_dir("qwen2")
-    reference, int8 = _tokens(_llm(folder, "auto")), _tokens(_llm(folder, "int8"))
-    same = sum(a == b for ref, got in zip(reference, int8) for a, b in zip(ref, got))
-    assert same >= 0.9 * sum(len(ref) for ref in reference)
+def _demo_model() -> str:
+    from kvserve.config import ModelLoadError
+    from kvserve.model.demo import demo_model_path
+
+    try:
+        return str(demo_model_path())
+    except ModelLoadError as exc:
+        pytest.skip(f"demo model not installed: {exc}")
+
+
+def test_int8_picks_the_unquantized_caches_greedy_token_at_nearly_every_position():
+    """On the demo model in fp32, scoring the same text: int8 KV's most likely next token is the unquantized
+    cache's at >= 90% of positions (measured 98%), and its perplexity within 0.5% (measured +0.1%). Random tiny
+    models are no judge of this: their 16-dim heads and near-tied logits flip on any perturbation."""
+    from kvserve.engine.kv_eval import compare, stdlib_text
+
+    demo = _demo_model()
+    scored = {}
+    for kv_dtype in ("auto", "int8"):
+        llm = LLM(demo, dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_memory=0.1, max_model_len=1024)
+        token_ids = llm.get_tokenizer().encode(stdlib_text())[:400]
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)
+        scored[kv_dtype] = llm.generate([token_ids], params, use_tqdm=False)[0].prompt_logprobs[1:]
+    accuracy = compare("int8", scored["auto"], scored["int8"])
+    assert accuracy.top1_agreement >= 0.9
+    assert abs(accuracy.perplexity_increase) < 0.005 and accuracy.mean_kld < 0.01
 
 
 @pytest.mark.parametrize("kv_dtype,factor", [("fp8", 1.95), ("fp8_e5m2", 1.95), ("int8", 1.95), ("int4", 3.5)])
 def test_equal_pool_memory_holds_more_tokens_on_the_demo_model(kv_dtype, factor):
     """At equal --kv-cache-memory the engine's pool holds >= 1.95x (8-bit) or 3.5x (int4) the tokens of bf16,
-    scales included (64-dim heads: int8 pays one exponent byte per vector, int4 two fp16 scales)."""
-    from kvserve.config import ModelLoadError
-    from kvserve.model.demo import demo_model_path
-
-    try:
-        demo = str(demo_model_path())
-    except ModelLoadError as exc:
-        pytest.skip(f"demo model not installed: {exc}")
+    scales included (64-dim heads: int8 pays one scale byte per vector, int4 two fp16 scales)."""
+    demo = _demo_model()
     pools = {name: LLM(demo, kv_cache_dtype=name, kv_cache_memory=0.05, max_model_len=512).engine.pool
              for name in ("bfloat16", kv_dtype)}
     assert pools[kv_dtype].num_tokens / pools["bfloat16"].num_tokens >= factor

@@ -17,7 +17,7 @@ masks by sequence length, so a padded entry is never read.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_hash import BlockHash
@@ -170,6 +170,9 @@ class BlockPool:
         # registered keeps the hash and the other block stays unhashed (see cache_block).
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
         self.stats = PrefixCacheStats()
+        # Called with (block ids, hashes) of the cached blocks an allocation evicts, before it returns: their K/V
+        # is intact until the step's forward writes them (the KV tiers copy them out here).
+        self.on_evict: Callable[[list[int], list[BlockHash]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -196,11 +199,17 @@ class BlockPool:
         if num_blocks == 0:
             return []
         blocks = self.free_queue.popleft_n(num_blocks)
+        evicted_ids: list[int] = []
+        evicted_hashes: list[BlockHash] = []
         for block in blocks:
             assert block.ref_cnt == 0
             if block.block_hash is not None:
+                evicted_ids.append(block.block_id)
+                evicted_hashes.append(block.block_hash)
                 self._evict(block)
             block.ref_cnt = 1
+        if evicted_ids and self.on_evict is not None:
+            self.on_evict(evicted_ids, evicted_hashes)
         return blocks
 
     def _evict(self, block: KVBlock) -> None:

@@ -28,10 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.cache.block_hash import BlockHash, BlockHasher
 from kvserve.cache.block_pool import BlockPool, PrefixCacheStats
+
+if TYPE_CHECKING:  # the bookkeeping stays torch-free; the tiers (torch) are handed in by the engine
+    from kvserve.cache.kv_tiers import KVTiers
 
 
 class CacheRequest(Protocol):
@@ -66,6 +69,13 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.hasher = BlockHasher(block_size, hash_algo)
         self._requests: dict[str, RequestBlocks] = {}
+        self.tiers: KVTiers | None = None
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Blocks evicted from the pool go to `tiers`; admissions load what they hold (load_from_tiers)."""
+        assert self.enable_prefix_caching, "the KV tiers find blocks by hash: they need prefix caching"
+        self.tiers = tiers
+        self.pool.on_evict = tiers.offload
 
     # ---- read-only views -------------------------------------------------------------------------------
 
@@ -126,6 +136,36 @@ class KVCacheManager:
                 break
             hit_block_ids.append(block.block_id)
         return hit_block_ids, len(hit_block_ids) * self.block_size
+
+    def load_from_tiers(self, request: CacheRequest) -> dict[str, int]:
+        """Continues the request's pool hit chain into the KV tiers and loads the blocks found into pool blocks,
+        where they become ordinary cached blocks (the next get_computed_blocks finds them). Returns the tokens
+        loaded per tier ({} when nothing was). The request's pool hits are held during the load so making room
+        cannot evict them; the loaded blocks are released suffix first, as `free` releases a request's."""
+        if self.tiers is None:
+            return {}
+        hit_ids, _ = self.get_computed_blocks(request)
+        max_hit_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        if len(hit_ids) >= max_hit_blocks:
+            return {}
+        blocks = self.pool.blocks
+        pinned = [blocks[block_id] for block_id in hit_ids]
+        self.pool.touch(pinned)
+        try:
+            wanted = request.block_hashes[len(hit_ids):max_hit_blocks][: self.pool.num_free_blocks]
+            found = self.tiers.find(wanted, self.block_size)
+            if not found:
+                return {}
+            new_blocks = self.pool.get_new_blocks(len(found))
+            self.tiers.copier.write([block.block_id for block in new_blocks], [payload for _, payload, _ in found])
+            loaded: dict[str, int] = {}
+            for block, (block_hash, _, tier) in zip(new_blocks, found):
+                self.pool.cache_block(block, block_hash)
+                loaded[tier] = loaded.get(tier, 0) + self.block_size
+            self.pool.free_blocks(reversed(new_blocks))
+            return loaded
+        finally:
+            self.pool.free_blocks(reversed(pinned))
 
     # ---- allocation ------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ class LayerKVCache:
     key: torch.Tensor  # [num_blocks, block_size, kv_heads, data_dim] in the model dtype or the codec's data dtype
     value: torch.Tensor
     codec: KVCodec | None = None  # None: unquantized, `key.dtype` is the KV dtype
-    key_scales: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, groups]: int8's exponent bytes, int4's fp16
+    key_scales: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, groups]: int8's scale bytes, int4's fp16
     value_scales: torch.Tensor | None = None
     key_tensor_scale: torch.Tensor | None = None  # [] fp32 (fp8): stored = x / scale
     value_tensor_scale: torch.Tensor | None = None

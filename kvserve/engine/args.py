@@ -28,6 +28,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calculate-kv-scales", action="store_true",
                        help="fp8 KV: per-layer scales from the first batch instead of 1.0 (a checkpoint's "
                             "k_scale/v_scale win)")
+    group.add_argument("--kv-offloading-size", type=float, default=None,
+                       help="GiB of host memory that keeps blocks evicted from the pool, loaded back on a prefix hit")
+    group.add_argument("--kv-offloading-backend", default="native", choices=["native"])
+    group.add_argument("--kv-disk-path", default=None,
+                       help="a folder for a disk tier below the host tier (kept across restarts)")
+    group.add_argument("--kv-disk-size", type=float, default=10.0, help="GiB the disk tier may use (default 10)")
     group.add_argument("--kv-cache-memory", type=float, default=None,
                        help="GiB for the KV pool on CPU (default 1)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -47,6 +53,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             prefix_caching_hash_algo=args.prefix_caching_hash_algo,
             kv_cache_dtype=args.kv_cache_dtype,
             calculate_kv_scales=args.calculate_kv_scales,
+            kv_offloading_size=args.kv_offloading_size,
+            kv_offloading_backend=args.kv_offloading_backend,
+            kv_disk_path=args.kv_disk_path,
+            kv_disk_size=args.kv_disk_size,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,

@@ -260,6 +260,8 @@ class AsyncLLMEngine:
         self._push(_Stop())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+        if self._thread is None or not self._thread.is_alive():
+            await asyncio.to_thread(self.engine.close)
         if self.state is not EngineState.DEAD:
             self.state = EngineState.STOPPED
 

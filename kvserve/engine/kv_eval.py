@@ -10,9 +10,10 @@ missing from the candidate's top-20 gets the candidate's 20th logprob, the most 
 
 from __future__ import annotations
 
-import inspect
 import importlib
+import inspect
 import math
+import warnings
 from dataclasses import dataclass
 
 from kvserve.engine.request import TokenLogprobs
@@ -27,16 +28,23 @@ _TAIL_FLOOR = 1e-12
 def stdlib_text() -> str:
     """The default evaluation text: the stdlib modules' docstrings and their public functions' docstrings."""
     parts: list[str] = []
-    for name in STDLIB_TEXT_MODULES:
-        module = importlib.import_module(name)
-        if module.__doc__:
-            parts.append(inspect.cleandoc(module.__doc__))
-        for attr in sorted(vars(module)):
-            value = getattr(module, attr)
-            doc = getattr(value, "__doc__", None)
-            if not attr.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value)) and isinstance(doc, str):
-                parts.append(f"{attr}: {inspect.cleandoc(doc)}")
+    with warnings.catch_warnings():  # typing.io / typing.re warn when their docs are read
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in STDLIB_TEXT_MODULES:
+            parts += _module_docs(name)
     return "\n\n".join(parts)
+
+
+def _module_docs(name: str) -> list[str]:
+    """A module's docstring, then its public functions' and classes' docstrings, by name."""
+    module = importlib.import_module(name)
+    parts = [inspect.cleandoc(module.__doc__)] if module.__doc__ else []
+    for attr in sorted(vars(module)):
+        value = getattr(module, attr)
+        doc = getattr(value, "__doc__", None)
+        if not attr.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value)) and isinstance(doc, str):
+            parts.append(f"{attr}: {inspect.cleandoc(doc)}")
+    return parts
 
 
 @dataclass(slots=True)

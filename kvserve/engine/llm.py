@@ -70,6 +70,10 @@ class LLM:
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def close(self) -> None:
+        """Saves the disk tier's blocks (--kv-disk-path) and stops its writer; the engine is unusable after."""
+        self.engine.close()
+
     def reset_prefix_cache(self) -> bool:
         return self.engine.kv_cache.reset_prefix_cache()
 

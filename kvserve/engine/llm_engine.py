@@ -15,6 +15,7 @@ import torch
 
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_storage import allocate_kv_storage, set_fp8_scales
+from kvserve.cache.tier_stats import TierStats
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.memory_profile import decode_gather_tokens
@@ -25,6 +26,7 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import prompt_logprobs, sample
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.tier_setup import build_tiers
 from kvserve.model.loader import LoadedModel, load_model
 
 logger = logging.getLogger("kvserve.engine")
@@ -61,6 +63,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     finished_by_reason: dict[str, int]
+    tiers: dict[str, TierStats] = field(default_factory=dict)  # per KV tier ("host", "disk"), when configured
 
 
 @dataclass(slots=True)
@@ -112,6 +115,9 @@ class LLMEngine:
         scales = set_fp8_scales(storage, self.loaded.model.checkpoint_kv_scales, cache_cfg.calculate_kv_scales)
         if scales:
             logger.info("fp8 KV scales: %s", scales)
+        self.tiers = build_tiers(cache_cfg, self.loaded, storage, self.pool.kv_format)
+        if self.tiers is not None:
+            self.kv_cache.attach_tiers(self.tiers)
         self.runner = ModelRunner(self.loaded.model, storage, self.kv_cache, self.device,
                                   max_gather_tokens=decode_gather_tokens(config.scheduler))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
@@ -211,14 +217,26 @@ class LLMEngine:
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
             finished_by_reason=dict(self.counters.finished_by_reason),
+            tiers=self.tiers.snapshot() if self.tiers is not None else {},
         )
+
+    def close(self) -> None:
+        """Saves what the KV tiers must keep across a restart (the disk tier) and stops their writer."""
+        if self.tiers is not None:
+            cached = self.kv_cache.pool.cached_blocks
+            self.tiers.close([block.block_id for block in cached.values()], list(cached))
+            self.tiers = None
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
         self.counters.num_steps += 1
+        started = time.perf_counter()
         step = self.runner.execute(scheduler_output.scheduled)
+        if self.tiers is not None:  # what a load must beat: this engine's measured prefill speed
+            prefill_tokens = sum(item.num_new_tokens for item in scheduler_output.scheduled if item.num_new_tokens > 1)
+            self.tiers.note_prefill(prefill_tokens, time.perf_counter() - started)
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
         self._score_prompts(step)
@@ -290,6 +308,7 @@ class LLMEngine:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
+            tier_loaded_tokens=dict(first.tier_loaded_tokens),
             prompt_logprobs=first.prompt_logprobs if first.scores_prompt else None,
             arrival_time=first.arrival_time,
             first_scheduled_time=first.first_scheduled_time,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.engine.request import TokenLogprobs
 
@@ -58,6 +58,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # Of num_cached_tokens and of re-admissions' hits, tokens the KV tiers loaded back, per tier (kvserve extra).
+    tier_loaded_tokens: dict[str, int] = field(default_factory=dict)
     # With prompt_logprobs: one entry per prompt token, None for the first (complete once the prefill is done).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     arrival_time: float = 0.0

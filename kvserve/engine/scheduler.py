@@ -94,6 +94,9 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_waiting()
+            if not request.scores_prompt:
+                for tier, tokens in self.kv_cache.load_from_tiers(request).items():
+                    request.tier_loaded_tokens[tier] = request.tier_loaded_tokens.get(tier, 0) + tokens
             hit_blocks, num_hit_tokens = self._cached_prefix(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:

@@ -6,8 +6,8 @@ Storage contract (the engine's `cache/storage` follows these constants exactly):
 - `bfloat16` / `float16`: 2 B per element; `float32`: 4 B; no scales.
 - `fp8` (= `fp8_e4m3`) and `fp8_e5m2`: 1 B per element. One per-tensor scale per layer, which is negligible
   and not counted.
-- `int8`: 1 B per element, plus one power-of-two scale (`INT8_SCALE_BYTES`, one byte: an E8M0 exponent, as OCP's
-  MX formats store theirs) per (token, kv_head) vector, separately for K and for V. The scale group is the whole
+- `int8`: 1 B per element, plus one one-byte scale (`INT8_SCALE_BYTES`: an unsigned float with 5 exponent and
+  3 mantissa bits) per (token, kv_head) vector, separately for K and for V. The scale group is the whole
   head vector, i.e. `group_size == head_dim`; `KVFormat.group_size` is None for "one scale per vector". One
   byte, not an fp16: at head_dim 64 an fp16 scale would cost 3% of the tokens a pool holds.
 - `int4`: 0.5 B per element (two per byte), plus one fp16 scale per `INT4_GROUP_SIZE` (32) consecutive
@@ -36,7 +36,7 @@ from kvserve.planner.units import ceil_div, format_bytes
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 COMPARED_KV_DTYPES = ("auto", "fp8", "int8", "int4")  # the model dtype, then each quantized format
 KV_SCALE_BYTES = 2  # fp16 scales for int4
-INT8_SCALE_BYTES = 1  # a power-of-two exponent for int8
+INT8_SCALE_BYTES = 1  # int8's one-byte float scale
 INT4_GROUP_SIZE = 32
 
 

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvserve.cache.tier_stats import LOAD_BUCKETS
 from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvserve.engine.outputs import RequestOutput
 
@@ -154,7 +155,44 @@ class EngineCollector(Collector):
                           stats.num_blocks * self.block_bytes)
         yield self._counter("kvserve:prefix_cache_evictions", "Cached blocks whose prefix was dropped for reuse.",
                             census.num_evictions)
+        yield from self._tier_metrics(stats.tiers)
         yield from self._device_memory()
+
+    def _tier_metrics(self, tiers: dict) -> Iterator[Metric]:
+        """The KV tiers below the pool (host, disk), one label value per tier; nothing when none is configured."""
+        if not tiers:
+            return
+        families = {
+            "kvserve:kv_tier_queries": ("Blocks looked up in the tier after the pool and the tiers above missed.",
+                                        lambda t: t.queries),
+            "kvserve:kv_tier_hits": ("Blocks found in the tier and loaded back into the pool.", lambda t: t.hits),
+            "kvserve:kv_tier_offloaded_blocks": ("Blocks written to the tier.", lambda t: t.offloaded_blocks),
+            "kvserve:kv_tier_skipped_loads": ("Tier hits not loaded: the load would take longer than recomputing.",
+                                              lambda t: t.skipped_slower_than_recompute),
+        }
+        for name, (doc, value) in families.items():
+            family = CounterMetricFamily(name, doc, labels=LABELS + ["tier"])
+            for tier, snapshot in tiers.items():
+                family.add_metric(self.labels + [tier], value(snapshot))
+            yield family
+        moved = CounterMetricFamily("kvserve:kv_tier_bytes", "Bytes moved per tier and direction (in: offloaded to "
+                                    "the tier, out: loaded back into the pool).", labels=LABELS + ["tier", "direction"])
+        usage = GaugeMetricFamily("kvserve:kv_tier_usage_bytes", "Bytes the tier holds.", labels=LABELS + ["tier"])
+        capacity = GaugeMetricFamily("kvserve:kv_tier_capacity_bytes", "Bytes the tier may hold.",
+                                     labels=LABELS + ["tier"])
+        latency = HistogramMetricFamily("kvserve:kv_tier_load_seconds", "Time to read one block from the tier.",
+                                        labels=LABELS + ["tier"])
+        for tier, snapshot in tiers.items():
+            moved.add_metric(self.labels + [tier, "in"], snapshot.offloaded_bytes)
+            moved.add_metric(self.labels + [tier, "out"], snapshot.loaded_bytes)
+            usage.add_metric(self.labels + [tier], snapshot.used_bytes)
+            capacity.add_metric(self.labels + [tier], snapshot.capacity_bytes)
+            cumulative, buckets = 0, []
+            for bound, count in zip([*LOAD_BUCKETS, float("inf")], snapshot.load_bucket_counts):
+                cumulative += count
+                buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+            latency.add_metric(self.labels + [tier], buckets, snapshot.load_seconds_sum)
+        yield from (moved, usage, capacity, latency)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=LABELS)

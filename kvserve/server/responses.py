@@ -6,7 +6,8 @@ Chat completion:   {"id": "chatcmpl-..", "object": "chat.completion", "created",
                     "choices": [{"index", "message": {"role", "content", "refusal"}, "logprobs", "finish_reason",
                     "stop_reason"}], "usage"}
 Chat chunk:        same with "object": "chat.completion.chunk" and "delta" instead of "message".
-Usage:             {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details": {"cached_tokens"}}
+Usage:             {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details": {"cached_tokens",
+                   and kvserve's "computed_tokens" and, when the KV tiers loaded any, "tier_loaded_tokens"}}
 `stop_reason` is vLLM's addition: the stop string or stop token id that ended the choice (null for EOS / length).
 """
 
@@ -45,10 +46,14 @@ class UsageCounter:
     completion_tokens: int = 0
     cached_tokens: int = 0
     completion_by_choice: dict[int, int] = field(default_factory=dict)
+    tier_loaded_tokens: dict[str, int] = field(default_factory=dict)  # of cached_tokens, per KV tier
 
-    def add_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+    def add_prompt(self, num_prompt_tokens: int, num_cached_tokens: int,
+                   tier_loaded_tokens: dict[str, int] | None = None) -> None:
         self.prompt_tokens += num_prompt_tokens
         self.cached_tokens += num_cached_tokens
+        for tier, tokens in (tier_loaded_tokens or {}).items():
+            self.tier_loaded_tokens[tier] = self.tier_loaded_tokens.get(tier, 0) + tokens
 
     def set_choice_tokens(self, choice_index: int, num_tokens: int) -> None:
         self.completion_tokens += num_tokens - self.completion_by_choice.get(choice_index, 0)
@@ -59,8 +64,16 @@ class UsageCounter:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": self._prompt_details(),
         }
+
+    def _prompt_details(self) -> dict:
+        """OpenAI's cached_tokens (every tier counts), plus kvserve's split: what the KV tiers loaded back into
+        the pool (per tier) and what was computed."""
+        details = {"cached_tokens": self.cached_tokens, "computed_tokens": self.prompt_tokens - self.cached_tokens}
+        if self.tier_loaded_tokens:
+            details["tier_loaded_tokens"] = dict(self.tier_loaded_tokens)
+        return details
 
 
 def completion_body(response_id: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:

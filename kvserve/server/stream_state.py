@@ -42,7 +42,7 @@ class StreamState:
     def deltas(self, prompt_index: int, output: RequestOutput) -> list[ChoiceDelta]:
         if prompt_index not in self.prompts_seen:
             self.prompts_seen.add(prompt_index)
-            self.usage.add_prompt(len(output.prompt_token_ids), output.num_cached_tokens)
+            self.usage.add_prompt(len(output.prompt_token_ids), output.num_cached_tokens, output.tier_loaded_tokens)
         deltas = []
         for choice in output.outputs:
             index = self.choice_index(prompt_index, choice)
@@ -69,7 +69,7 @@ def new_logprobs(choice: CompletionOutput) -> list[TokenLogprobs] | None:
 def final_usage(finals: list[RequestOutput], n: int) -> UsageCounter:
     usage = UsageCounter()
     for prompt_index, output in enumerate(finals):
-        usage.add_prompt(len(output.prompt_token_ids), output.num_cached_tokens)
+        usage.add_prompt(len(output.prompt_token_ids), output.num_cached_tokens, output.tier_loaded_tokens)
         for choice in output.outputs:
             usage.set_choice_tokens(prompt_index * n + choice.index, len(choice.token_ids))
     return usage

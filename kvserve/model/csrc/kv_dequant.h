@@ -5,7 +5,7 @@
 //   fp8_e4m3 / fp8_e5m2: one byte per element, times the layer's tensor scale. Both are widened through fp16
 //     bits (e5m2 is the top byte of an fp16; e4m3's exponent and mantissa shift into an fp16 whose value is
 //     2^-8 of e4m3's, subnormals included), so the hardware's fp16 conversion does the work.
-//   int8: one signed byte per element times the row's power-of-two scale, stored as a biased exponent byte.
+//   int8: one signed byte per element times the row's scale byte: (e + 20) << 3 | m means 2^e x (1 + m/8).
 //   int4: two codes per byte (low nibble first), code - 8 times the fp16 scale of each group of 32 elements.
 #pragma once
 
@@ -33,7 +33,7 @@ inline uint16_t fp8_to_half_bits(uint8_t b, int64_t format) {
 // One of K or V of one layer, as the kernels receive it.
 struct Source {
   const uint8_t* data;     // [slots, num_kv_heads, data_dim] bytes (int8 read as signed)
-  const void* scales;      // [slots, num_kv_heads, groups]: int8's exponent bytes, int4's fp16 bits; null for fp8
+  const void* scales;      // [slots, num_kv_heads, groups]: int8's scale bytes, int4's fp16 bits; null for fp8
   float tensor_scale;      // fp8's per-layer scale (1 for the others)
   int64_t format, head_dim, num_kv_heads;
 
@@ -43,8 +43,9 @@ struct Source {
   const uint16_t* row_fp16_scales(int64_t slot, int64_t head) const {
     return static_cast<const uint16_t*>(scales) + (slot * num_kv_heads + head) * groups();
   }
-  float row_exponent_scale(int64_t slot, int64_t head) const {  // 2^(e - 127): e is the fp32 exponent field
-    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint8_t*>(scales)[slot * num_kv_heads + head]) << 23;
+  float row_byte_scale(int64_t slot, int64_t head) const {  // the byte's exponent and mantissa become fp32's
+    const uint32_t code = static_cast<const uint8_t*>(scales)[slot * num_kv_heads + head];
+    const uint32_t bits = ((code >> 3) - 20 + 127) << 23 | (code & 7) << 20;
     float scale;
     std::memcpy(&scale, &bits, sizeof(scale));
     return scale;
@@ -59,7 +60,7 @@ struct Source {
 
   void decode(int64_t slot, int64_t head, float* dst) const {
     const uint8_t* row = row_data(slot, head);
-    if (format == kInt8) return decode_int8(reinterpret_cast<const int8_t*>(row), row_exponent_scale(slot, head), dst);
+    if (format == kInt8) return decode_int8(reinterpret_cast<const int8_t*>(row), row_byte_scale(slot, head), dst);
     if (format == kInt4) return decode_int4(row, row_fp16_scales(slot, head), dst);
     decode_fp8(row, dst);
   }
@@ -140,7 +141,7 @@ inline Source make_source(const torch::Tensor& data, const torch::Tensor& scales
   TORCH_CHECK(format >= kFp8E4m3 && format <= kInt4, "unknown quantized KV format ", format);
   TORCH_CHECK(data.is_contiguous() && data.element_size() == 1, "quantized KV data: contiguous bytes");
   TORCH_CHECK(format != kInt8 || (scales.is_contiguous() && scales.scalar_type() == torch::kByte),
-              "int8 KV scales: contiguous uint8 exponents");
+              "int8 KV scales: contiguous uint8");
   TORCH_CHECK(format != kInt4 || (scales.is_contiguous() && scales.scalar_type() == torch::kHalf),
               "int4 KV scales: contiguous fp16");
   const bool scaled = format == kInt8 || format == kInt4;

@@ -1,0 +1,84 @@
+"""Quantized KV cache: what each --kv-cache-dtype buys at equal pool memory, and what it costs in speed.
+
+    python benchmarks/kv_dtypes.py [--pool-gib 0.25] [--long-requests 12] [--mixed-requests 128]
+
+capacity:  the same --kv-cache-memory for bf16, fp8_e4m3, int8 and int4; tokens the pool holds (scales included)
+           and, for a long-context workload (--long-requests prompts of 3,000 distinct tokens, 32 output tokens
+           each, all submitted at once, prefix caching off), the most requests the engine ran at once and the
+           preemptions it needed, with the ratio to bf16;
+speed:     workload (b) (prompts of 16-512 tokens, 16-256 output tokens) in output tokens/s per KV dtype, the
+           ratio to bf16 (a pool large enough that nothing is preempted), on the demo model by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from workloads import long_text_tokens, mixed_workload  # noqa: E402
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.cpu_isa import selected_isa  # noqa: E402
+
+DTYPES = ("bfloat16", "fp8_e4m3", "int8", "int4")
+
+
+def long_context_run(llm: LLM, num_requests: int, prompt_len: int = 3000, output_len: int = 32) -> tuple[int, int, float]:
+    """(most requests running at once, preemptions, seconds) for distinct long prompts submitted together."""
+    engine = llm.engine
+    text = long_text_tokens(llm.get_tokenizer(), prompt_len + num_requests * 7)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for index in range(num_requests):
+        engine.add_request(f"long-{index}", text[index * 7: index * 7 + prompt_len], params)
+    peak, started = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    return peak, engine.scheduler.num_preemptions, time.perf_counter() - started
+
+
+def mixed_run(llm: LLM, num_requests: int) -> float:
+    requests = mixed_workload(llm.get_tokenizer(), num_requests)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    started = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return produced / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the demo model")
+    parser.add_argument("--pool-gib", type=float, default=0.25, help="--kv-cache-memory for the capacity runs")
+    parser.add_argument("--long-requests", type=int, default=12)
+    parser.add_argument("--mixed-requests", type=int, default=128)
+    args = parser.parse_args()
+    print(f"CPU family {selected_isa().label}; pool {args.pool_gib:g} GiB for capacity")
+    print(f"{'KV dtype':10} {'B/token':>8} {'tokens':>8} {'x bf16':>7} {'peak running':>13} {'x bf16':>7} "
+          f"{'preemptions':>12} {'seconds':>8}")
+    base_tokens = base_peak = None
+    for name in DTYPES:
+        llm = LLM(args.model, kv_cache_dtype=name, kv_cache_memory=args.pool_gib, max_model_len=4096,
+                  enable_prefix_caching=False)
+        pool = llm.engine.pool
+        peak, preemptions, seconds = long_context_run(llm, args.long_requests)
+        base_tokens, base_peak = base_tokens or pool.num_tokens, base_peak or peak
+        print(f"{name:10} {pool.block_bytes // pool.block_size:8,} {pool.num_tokens:8,} "
+              f"{pool.num_tokens / base_tokens:7.2f} {peak:13} {peak / base_peak:7.2f} {preemptions:12} {seconds:8.1f}")
+        del llm
+    print(f"\nworkload (b), {args.mixed_requests} requests, output tok/s")
+    base = None
+    for name in ("bfloat16", "int8", "int4"):
+        llm = LLM(args.model, kv_cache_dtype=name, kv_cache_memory=1.0, max_model_len=4096)
+        rate = mixed_run(llm, args.mixed_requests)
+        base = base or rate
+        print(f"{name:10} {rate:8.1f} tok/s  {rate / base:5.2f}x bf16")
+        del llm
+
+
+if __name__ == "__main__":
+    main()

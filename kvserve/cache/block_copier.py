@@ -1,0 +1,44 @@
+"""Moves whole blocks between the pool's tensors and flat byte payloads, in the pool's own format.
+
+A block's payload is every per-block tensor of every layer (K and V data, and their scales for int8/int4)
+concatenated as bytes: quantized blocks leave and come back exactly as they are, and the tiers see bytes, never
+formats. Copies are batched: one index_select (or index_copy_) per pool tensor moves all the blocks of a call,
+not one small copy per block and layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.cache.kv_storage import LayerKVCache
+
+
+class BlockCopier:
+    def __init__(self, layers: list[LayerKVCache]) -> None:
+        self.tensors = [tensor for layer in layers for tensor in layer.tensors()]
+        self.block_bytes_per_tensor = [tensor[0].numel() * tensor.element_size() for tensor in self.tensors]
+        self.payload_bytes = sum(self.block_bytes_per_tensor)
+
+    def read(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """The payloads ([payload_bytes] uint8 CPU tensors, one per block) of `block_ids`."""
+        if not block_ids:
+            return []
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensors[0].device)
+        parts = [tensor.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8)
+                 for tensor in self.tensors]
+        joined = torch.cat(parts, dim=1).cpu()
+        return [row.clone() for row in joined]  # each payload owns its bytes (a tier frees them one by one)
+
+    def write(self, block_ids: list[int], payloads: list[torch.Tensor]) -> None:
+        """Fills `block_ids` with `payloads` (as read returned them)."""
+        if not block_ids:
+            return
+        assert all(p.numel() == self.payload_bytes for p in payloads), "payload from another layout"
+        device = self.tensors[0].device
+        joined = torch.stack(payloads).to(device)
+        index = torch.tensor(block_ids, dtype=torch.long, device=device)
+        start = 0
+        for tensor, size in zip(self.tensors, self.block_bytes_per_tensor):
+            chunk = joined[:, start:start + size].contiguous().view(tensor.dtype).view(len(block_ids), *tensor.shape[1:])
+            tensor.index_copy_(0, index, chunk)
+            start += size

@@ -1,0 +1,74 @@
+"""Builds the KV tiers an engine's flags ask for (--kv-offloading-size, --kv-disk-path) over its pool storage.
+
+The disk tier's fingerprint names everything a stored block depends on: the weights' identity (each weight
+file's name, size and modification time, and config.json's bytes), the compute dtype, the KV format and its
+fp8 scales, the block size and the per-block tensor shapes. A block written under any other combination is
+never read back (disk_tier.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import xxhash
+
+from kvserve.cache.block_copier import BlockCopier
+from kvserve.cache.disk_tier import LAYOUT_VERSION, DiskTier
+from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.kv_tiers import HostTier, KVTiers
+from kvserve.config import CacheConfig
+from kvserve.model.loader import LoadedModel
+
+logger = logging.getLogger("kvserve.engine")
+GIB = 2**30
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
+
+
+def build_tiers(cache: CacheConfig, loaded: LoadedModel, layers: list[LayerKVCache], kv_format: str) -> KVTiers | None:
+    if cache.kv_offloading_size is None and cache.kv_disk_path is None:
+        return None
+    copier = BlockCopier(layers)
+    host = HostTier(int(cache.kv_offloading_size * GIB)) if cache.kv_offloading_size is not None else None
+    disk = None
+    if cache.kv_disk_path is not None:
+        disk = DiskTier(cache.kv_disk_path, int(cache.kv_disk_size * GIB),
+                        fingerprint(loaded, layers, kv_format, cache.block_size), copier.payload_bytes)
+    tiers = KVTiers(copier, host, disk)
+    logger.info("KV tiers: %s (%d B per block)", ", ".join(_describe(t) for t in tiers.tiers), copier.payload_bytes)
+    return tiers
+
+
+def _describe(tier) -> str:
+    if isinstance(tier, HostTier):
+        return f"host {tier.capacity_bytes / GIB:g} GiB"
+    return f"disk {tier.capacity_bytes / GIB:g} GiB at {tier.path}"
+
+
+def fingerprint(loaded: LoadedModel, layers: list[LayerKVCache], kv_format: str, block_size: int) -> str:
+    first = layers[0]
+    identity = {
+        "layout": LAYOUT_VERSION,
+        "weights": _weights_identity(Path(loaded.path)),
+        "dtype": str(loaded.dtype),
+        "kv_format": kv_format,
+        "block_size": block_size,
+        "num_layers": len(layers),
+        "tensors": [[list(t.shape[1:]), str(t.dtype)] for t in first.tensors()],
+        "fp8_scales": [[float(layer.key_tensor_scale), float(layer.value_tensor_scale)] for layer in layers
+                       if layer.key_tensor_scale is not None],
+    }
+    return xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True).encode())
+
+
+def _weights_identity(path: Path) -> list:
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    identity = []
+    for file in files:
+        stat = file.stat()
+        entry = [file.name, stat.st_size, stat.st_mtime_ns]
+        if file.name == "config.json":
+            entry.append(xxhash.xxh3_64_hexdigest(file.read_bytes()))
+        identity.append(entry)
+    return identity

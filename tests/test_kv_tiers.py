@@ -1,0 +1,192 @@
+"""KV tiers below the pool (host memory, disk): evicted sessions resume without re-prefill, with the tokens a pool
+that never evicts gives; the disk tier survives a restart and never reads a file that does not match."""
+
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvserve.cache.disk_tier import MAGIC, SUFFIX, encode_block_file
+from kvserve.engine.llm import LLM
+from kvserve.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+HISTORIES = [[5 + (s * 31 + j * 7) % 300 for j in range(150)] for s in range(4)]
+COMMON = dict(dtype="float32", device="cpu", max_model_len=256)
+SMALL_POOL = 24  # blocks: 384 tokens, so four 150-token sessions evict each other
+
+
+def first_turns(llm):
+    outputs = llm.generate(HISTORIES, GREEDY, use_tqdm=False)
+    return [h + o.outputs[0].token_ids + [7, 8, 9, 10] for h, o in zip(HISTORIES, outputs)]
+
+
+def second_turns(llm, prompts):
+    return llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return str(tiny_model_dir("llama")[0])
+
+
+@pytest.fixture(scope="module")
+def never_evicting(model):
+    """The reference: a pool big enough that every session's history stays cached."""
+    llm = LLM(model, num_gpu_blocks_override=400, **COMMON)
+    turns = first_turns(llm)
+    return turns, [o.outputs[0].token_ids for o in second_turns(llm, turns)]
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_host_tier_resumes_evicted_sessions_without_recompute(model, never_evicting):
+    turns, expected = never_evicting
+    without = LLM(model, num_gpu_blocks_override=SMALL_POOL, **COMMON)
+    first_turns(without)
+    recomputed = second_turns(without, turns)
+    assert tokens(recomputed) == expected
+    assert sum(o.num_cached_tokens for o in recomputed) < 144  # evicted: mostly recomputed
+
+    llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_offloading_size=0.01, **COMMON)
+    first_turns(llm)
+    resumed = second_turns(llm, turns)
+    assert tokens(resumed) == expected
+    # Every full block of each history (9 x 16 tokens) is a hit: in the pool or loaded from the host tier.
+    assert [o.num_cached_tokens for o in resumed] == [144] * 4
+    assert sum(o.tier_loaded_tokens.get("host", 0) for o in resumed) >= 144
+    host = llm.engine.stats().tiers["host"]
+    assert host.hits > 0 and host.loaded_bytes == host.hits * llm.engine.tiers.copier.payload_bytes
+    assert host.used_bytes <= host.capacity_bytes
+    llm.engine.kv_cache.check_invariants()
+
+
+def test_quantized_blocks_offload_and_load_back_as_they_are(model):
+    reference = LLM(model, num_gpu_blocks_override=400, kv_cache_dtype="int4", **COMMON)
+    turns = first_turns(reference)
+    expected = tokens(second_turns(reference, turns))
+    llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_offloading_size=0.01, kv_cache_dtype="int4", **COMMON)
+    first_turns(llm)
+    resumed = second_turns(llm, turns)
+    assert tokens(resumed) == expected and sum(o.tier_loaded_tokens.get("host", 0) for o in resumed) > 0
+
+
+def test_disk_tier_survives_a_restart(model, never_evicting, tmp_path):
+    turns, expected = never_evicting
+    first = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
+    first_turns(first)
+    first.close()  # the pool's and the host tier's blocks are written out too
+    restarted = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
+    resumed = second_turns(restarted, turns)
+    assert tokens(resumed) == expected
+    history_tokens = 4 * 144
+    loaded = sum(o.tier_loaded_tokens.get("disk", 0) for o in resumed)
+    assert loaded >= 0.9 * history_tokens
+
+
+def _write_files(folder: Path, payload_bytes: int, fingerprint: str) -> dict[str, Path]:
+    good = encode_block_file(fingerprint, bytes(payload_bytes))
+    files = {
+        "garbage": b"not a block file at all",
+        "truncated": good[: len(good) // 2],
+        "foreign": encode_block_file("another-model", bytes(payload_bytes)),
+        "stale": good.replace(b'"layout": 1', b'"layout": 0'),
+    }
+    paths = {}
+    for index, (name, data) in enumerate(files.items()):
+        path = folder / f"{index:032x}{SUFFIX}"
+        path.write_bytes(data)
+        paths[name] = path
+    return paths
+
+
+def test_bad_tier_files_are_ignored_and_recomputed(model, never_evicting, tmp_path, caplog):
+    turns, expected = never_evicting
+    first = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
+    first_turns(first)
+    disk = first.engine.tiers.disk
+    first.close()
+    bad = _write_files(tmp_path, disk.payload_bytes, disk.fingerprint)
+    # A real block whose payload got corrupted after it was written: its header still matches.
+    victim = sorted(p for p in tmp_path.glob(f"*{SUFFIX}") if p not in bad.values())[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kvserve.cache"):
+        restarted = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
+        assert restarted.engine.tiers.disk.ignored_files == len(bad)
+        resumed = second_turns(restarted, turns)
+    assert tokens(resumed) == expected  # never wrong K/V: the corrupt block was recomputed
+    assert any("corrupt" in record.message for record in caplog.records)
+    assert not victim.exists()
+    restarted.engine.kv_cache.check_invariants()
+
+
+def test_a_full_disk_degrades_to_recompute(model, never_evicting, tmp_path, caplog):
+    turns, expected = never_evicting
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 64 KiB tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvserve.cache"):
+            llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(mount_point), **COMMON)
+            first_turns(llm)
+            llm.engine.tiers.disk.flush()
+            assert tokens(second_turns(llm, turns)) == expected
+            llm.close()
+        assert any("cannot write" in record.message for record in caplog.records)
+        assert sum(f.stat().st_size for f in mount_point.iterdir()) <= 64 * 1024
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_tier_size_limits_hold(model, tmp_path):
+    block = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_offloading_size=0.01, **COMMON).engine.tiers.copier
+    gib = 2**30
+    llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_offloading_size=3 * block.payload_bytes / gib,
+              kv_disk_path=str(tmp_path), kv_disk_size=5.5 * (block.payload_bytes + 300) / gib, **COMMON)
+    first_turns(llm)
+    llm.engine.tiers.disk.flush()
+    host, disk = llm.engine.tiers.host, llm.engine.tiers.disk
+    assert 0 < host.used_bytes <= 3 * block.payload_bytes and len(host.entries) <= 3
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob(f"*{SUFFIX}"))
+    assert 0 < on_disk == disk.used_bytes <= disk.capacity_bytes
+    assert all(f.read_bytes().startswith(MAGIC) for f in tmp_path.glob(f"*{SUFFIX}"))
+
+
+def test_tiers_need_prefix_caching_and_fixed_fp8_scales(model, tmp_path):
+    with pytest.raises(ValueError, match="need prefix caching"):
+        LLM(model, kv_offloading_size=1, enable_prefix_caching=False, **COMMON)
+    with pytest.raises(ValueError, match="calculate-kv-scales"):
+        LLM(model, kv_disk_path=str(tmp_path), kv_cache_dtype="fp8", calculate_kv_scales=True, **COMMON)
+    with pytest.raises(ValueError, match="kv-offloading-size must be > 0"):
+        LLM(model, kv_offloading_size=0, **COMMON)
+
+
+def test_server_reports_tier_loads_in_usage_and_metrics(tiny_model_dir):
+    from server_harness import start_server
+
+    folder, _ = tiny_model_dir("llama")
+    running = start_server(folder, num_gpu_blocks_override=SMALL_POOL, kv_offloading_size=0.01, max_model_len=256)
+    try:
+        client = running.openai()
+        histories = [" ".join(f"session {s} line {i} of its history" for i in range(5)) for s in range(4)]
+        for text in histories:
+            client.completions.create(model="tiny-llama", prompt=text, max_tokens=4, temperature=0)
+        again = client.completions.create(model="tiny-llama", prompt=histories[0], max_tokens=4, temperature=0)
+        details = again.usage.prompt_tokens_details
+        assert details.cached_tokens > 0 and details.tier_loaded_tokens["host"] > 0
+        assert details.computed_tokens == again.usage.prompt_tokens - details.cached_tokens
+        metrics = running.metrics()
+        assert metrics["kvserve:kv_tier_hits_total{tier=host}"] > 0
+        assert metrics["kvserve:kv_tier_bytes_total{direction=out,tier=host}"] > 0
+        assert metrics["kvserve:kv_tier_load_seconds_count{tier=host}"] == metrics["kvserve:kv_tier_hits_total{tier=host}"]
+    finally:
+        running.stop()
+
