@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("kvserve.engine.chat_cli", "interactive chat in the terminal (on the demo model by default)"),
     "bench": ("kvserve.bench.cli", "load-test an OpenAI-compatible server (TTFT, TPOT, throughput, cache hits); "
                                    "compare runs; run the benchmark suite"),
+    "gateway": ("kvserve.gateway.cli", "OpenAI-compatible gateway: session/prefix routing, conversations, keys, limits"),
 }
 
 
