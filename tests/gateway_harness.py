@@ -149,3 +149,41 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
 def wait_for(predicate, timeout_s: float = 10.0) -> None:
     assert wait_until(predicate, timeout_s=timeout_s), "condition not reached"
 
+
+
+def start_backends(tiny_model_dir, count: int, **server_args) -> list:
+    """`count` real kvserve servers on the tiny llama."""
+    from server_harness import start_server
+
+    folder, _ = tiny_model_dir("llama")
+    return [start_server(folder, **server_args) for _ in range(count)]
+
+
+def stop_all(servers) -> None:
+    for server in servers:
+        if server.thread.is_alive():
+            server.stop()
+
+
+def backends_fixture(count: int, scope: str = "module", **server_args):
+    """A fixture of `count` real backends (function scope for tests that kill them)."""
+
+    @pytest.fixture(scope=scope)
+    def backends(tiny_model_dir):
+        running = start_backends(tiny_model_dir, count, **server_args)
+        yield running
+        stop_all(running)
+
+    return backends
+
+
+def redis_fixture(scope: str = "function"):
+    """A fixture of a fresh redis-server (function scope: each test sees an empty store)."""
+
+    @pytest.fixture(scope=scope)
+    def redis(tmp_path_factory):
+        server = start_redis(tmp_path_factory.mktemp("redis"))
+        yield server
+        server.stop()
+
+    return redis

@@ -8,30 +8,18 @@ import httpx
 import pytest
 
 from gateway_harness import (
-    MODEL_NAME, conversation_turn, gateway_settings, metric, needs_redis, start_gateway, start_redis, stored_messages,
+    MODEL_NAME, backends_fixture, conversation_turn, gateway_settings, metric, needs_redis, redis_fixture,
+    start_gateway, stored_messages,
 )
 from server_harness import slowed, wait_until
+
+pytestmark = needs_redis
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer about paged KV caches and blocks."}
 QUESTIONS = ["What is a block?", "And a block table?", "Why hash blocks?", "What is evicted first?"]
 
-
-@pytest.fixture(scope="module")
-def backends(tiny_model_dir):
-    from server_harness import start_server
-
-    folder, _ = tiny_model_dir("llama")
-    running = [start_server(folder) for _ in range(2)]
-    yield running
-    for backend in running:
-        backend.stop()
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    server = start_redis(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
+backends = backends_fixture(2)
+redis = redis_fixture(scope="module")
 
 
 def prefix_hits(backend) -> float:

@@ -4,11 +4,7 @@ second replica) routes every session where it was."""
 
 from __future__ import annotations
 
-import pytest
-
-from gateway_harness import (
-    chat, gateway_settings, metric, needs_redis, start_gateway, start_redis,
-)
+from gateway_harness import backends_fixture, chat, gateway_settings, metric, needs_redis, redis_fixture, start_gateway
 from kvserve.gateway.hashring import HashRing, share_capacity
 
 pytestmark = needs_redis
@@ -16,23 +12,8 @@ pytestmark = needs_redis
 BACKEND_HEADER = "x-kvserve-backend"
 ROUTE_HEADER = "x-kvserve-route"
 
-
-@pytest.fixture(scope="module")
-def backends(tiny_model_dir):
-    from server_harness import start_server
-
-    folder, _ = tiny_model_dir("llama")
-    running = [start_server(folder) for _ in range(3)]
-    yield running
-    for backend in running:
-        backend.stop()
-
-
-@pytest.fixture()
-def redis(tmp_path):
-    server = start_redis(tmp_path / "redis")
-    yield server
-    server.stop()
+backends = backends_fixture(3)
+redis = redis_fixture()
 
 
 def test_sessions_stick_by_header_and_by_user(backends, redis):
