@@ -27,7 +27,8 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", action="append", default=[], metavar="URL",
+    # extend with nargs="+": `--backend A --backend B` and `--backend A B` alike, and a config file's list.
+    parser.add_argument("--backend", action="extend", nargs="+", default=[], metavar="URL",
                         help="an OpenAI-compatible server (kvserve or vLLM) to route to; repeat for several")
     add_store_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0")

@@ -19,7 +19,7 @@ async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Complete events (each ending with a blank line), whatever the chunking; a tail without one at the end."""
     pending = b""
     async for chunk in chunks:
-        pending += chunk.replace(b"\r\n", b"\n")
+        pending = (pending + chunk).replace(b"\r\n", b"\n")  # on the joined bytes: a CRLF may straddle chunks
         while (end := pending.find(EVENT_END)) >= 0:
             yield pending[: end + len(EVENT_END)]
             pending = pending[end + len(EVENT_END):]
