@@ -19,7 +19,7 @@ from kvserve.gateway.health import check_all, health_loop
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.routing import Router
 from kvserve.gateway.settings import GatewaySettings
-from kvserve.gateway.store import Store, StoreUnavailable, open_store
+from kvserve.gateway.store import Store, StoreUnavailable, drain_background, open_store
 from kvserve.server.errors import SERVER_ERROR, APIError, install_error_handlers
 from kvserve.server.responses import json_response
 
@@ -61,6 +61,7 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
             await asyncio.gather(task, return_exceptions=True)
             await checks.aclose()
             await http.aclose()
+            await drain_background()
             await gateway_store.close()
 
     app = FastAPI(title="kvserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -63,7 +63,7 @@ async def open_upstream(http: httpx.AsyncClient, router: Router, metrics: Gatewa
         metrics.routing.labels(decision.reason).inc()
         upstream = await _attempt(http, decision, metrics, path, content, headers)
         if isinstance(upstream, Upstream):
-            await router.record(decision, block_hashes)
+            router.record(decision, block_hashes)
             return upstream
         last_failure = upstream
         tried.add(decision.backend.url)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kvserve.gateway.backends import Backend
 from kvserve.gateway.hashring import HashRing, bounded_owner
 from kvserve.gateway.prefix import longest_match
-from kvserve.gateway.store import Store
+from kvserve.gateway.store import Store, spawn
 
 SESSION, SESSION_NEW, BOUNDED, PREFIX, LOAD, FAILOVER, ROUND_ROBIN = (
     "session", "session_new", "bounded", "prefix", "load", "failover", "round_robin")
@@ -62,9 +62,11 @@ class Router:
             return await self._route_session(session_id, candidates)
         return await self._route_prefix_or_load(block_hashes, candidates)
 
-    async def record(self, decision: RouteDecision, block_hashes: list[str]) -> None:
-        """The prefix index learns from every decision: the blocks are now in that backend's cache."""
-        await self.store.prefix_record(block_hashes, decision.backend.url)
+    def record(self, decision: RouteDecision, block_hashes: list[str]) -> None:
+        """The prefix index learns from every decision: the blocks are now in that backend's cache. Written in
+        the background: the request need not wait for it (a request racing it routes by load instead)."""
+        if block_hashes:
+            spawn(self.store.prefix_record(block_hashes, decision.backend.url))
 
     async def _route_session(self, session_id: str, candidates: list[Backend]) -> RouteDecision:
         current_url = await self.store.get_session(session_id)

@@ -16,7 +16,9 @@ Failures of the store raise `StoreUnavailable`, which the app answers with a 503
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Protocol
 
 PREFIX = "kvgw:"
+
+logger = logging.getLogger("kvserve.gateway")
 
 
 class StoreUnavailable(Exception):
@@ -93,13 +97,18 @@ class RedisStore:
     async def get_session(self, session_id: str) -> str | None:
         backend = await self._call(self.redis.get(f"{PREFIX}session:{session_id}"))
         if backend is not None:
-            await self._touch_session(session_id, backend, None)
+            # Refreshing the TTL and last-seen time changes no routing decision: off the request's path.
+            spawn(self._refresh_session(session_id, backend))
         return backend
 
-    async def set_session(self, session_id: str, backend: str, previous: str | None) -> None:
-        await self._touch_session(session_id, backend, previous)
+    async def _refresh_session(self, session_id: str, backend: str) -> None:
+        # Never rewrites the mapping (a move may land first): EXPIRE, and XX updates only a member still there.
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.expire(f"{PREFIX}session:{session_id}", self.limits.session_ttl_s)
+        pipe.zadd(f"{PREFIX}backend_sessions:{backend}", {session_id: time.time()}, xx=True)
+        await self._call(pipe.execute())
 
-    async def _touch_session(self, session_id: str, backend: str, previous: str | None) -> None:
+    async def set_session(self, session_id: str, backend: str, previous: str | None) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(f"{PREFIX}session:{session_id}", backend, ex=self.limits.session_ttl_s)
         pipe.zadd(f"{PREFIX}backend_sessions:{backend}", {session_id: time.time()})
@@ -190,6 +199,9 @@ class SQLiteStore:
             self.db = sqlite3.connect(Path(path).expanduser(), isolation_level=None, check_same_thread=False,
                                       timeout=5.0)
             self.db.execute("PRAGMA journal_mode=WAL")
+            # No fsync per commit (WAL makes that safe against corruption): a commit costs microseconds, not a
+            # millisecond, on every request; a power cut may lose the last moments of routing state, never the file.
+            self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.executescript(SCHEMA)
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"state file {path}: {exc}") from None
@@ -289,6 +301,29 @@ class SQLiteStore:
     async def close(self) -> None:
         with self.lock:
             self.db.close()
+
+
+_background: set[asyncio.Task] = set()
+
+
+def spawn(coroutine) -> None:
+    """Runs a store write that no answer waits for; a failure is logged (the next request retries it)."""
+    task = asyncio.get_running_loop().create_task(_logged(coroutine))
+    _background.add(task)  # the loop keeps only weak references to tasks
+    task.add_done_callback(_background.discard)
+
+
+async def _logged(coroutine) -> None:
+    try:
+        await coroutine
+    except Exception as exc:  # noqa: BLE001 - nobody awaits this task; say what failed and go on
+        logger.warning("background store write failed: %s", exc)
+
+
+async def drain_background() -> None:
+    """Waits for the background writes (before the store closes)."""
+    while _background:
+        await asyncio.gather(*list(_background), return_exceptions=True)
 
 
 def _redacted(url: str) -> str:
