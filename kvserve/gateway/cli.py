@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: $KVSERVE_BACKEND_API_KEY)")
     parser.add_argument("--disable-auth", action="store_true",
                         help="serve without API keys (anyone who reaches the port can use the backends)")
-    parser.add_argument("--load-factor", type=float, default=1.25,
-                        help="a backend's share of sessions, as a multiple of the mean (>= 1; default 1.25)")
+    parser.add_argument("--load-factor", type=float, default=1.0,
+                        help="the most live sessions a backend takes new ones at, as a multiple of the mean "
+                             "(>= 1; default 1.0, see RoutingConfig)")
     parser.add_argument("--max-attempts", type=int, default=3, help="upstream attempts per request (default 3)")
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
     parser.add_argument("--breaker-failures", type=int, default=5,

@@ -31,7 +31,10 @@ class NoBackendAvailable(Exception):
 @dataclass(slots=True)
 class RoutingConfig:
     policy: str = "session"
-    load_factor: float = 1.25  # a backend's share of sessions: 1.25 x the mean (Mirrokni et al.'s c)
+    # A backend's share of live sessions, as a multiple of the mean (Mirrokni et al.'s c; they use 1.25 to move
+    # fewer keys when the set changes). The session map is stored, so placed sessions never move with it and
+    # the bound only decides where new ones go: 1.0 keeps backends' session counts within one of each other.
+    load_factor: float = 1.0
     saturation_waiting: float = 5.0  # llm-d: saturated at 5 waiting requests ...
     saturation_kv_usage: float = 0.8  # ... or 80% KV usage
     min_prefix_blocks: int = 1
