@@ -188,3 +188,14 @@ def test_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):
     assert settings.backends == ["http://a:8000", "http://b:8000"]
     assert (settings.routing.policy, settings.routing.load_factor, settings.redis_url) == (
         "round-robin", 2.0, "redis://r:6379/0")
+
+
+def test_recent_writes_skip_only_the_same_write_within_the_interval():
+    from kvserve.gateway.recent import RecentWrites
+
+    now = [0.0]
+    recent = RecentWrites(interval_s=60.0, clock=lambda: now[0])
+    assert recent.due("s", "a") and not recent.due("s", "a")
+    assert recent.due("s", "b")  # a moved session is a new write
+    now[0] = 61.0
+    assert recent.due("s", "a")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvserve.gateway.backends import Backend
 from kvserve.gateway.hashring import HashRing, bounded_owner
 from kvserve.gateway.prefix import longest_match
+from kvserve.gateway.recent import RecentWrites
 from kvserve.gateway.store import Store, spawn
 
 SESSION, SESSION_NEW, BOUNDED, PREFIX, LOAD, FAILOVER, ROUND_ROBIN = (
@@ -54,6 +55,7 @@ class Router:
         self.config = config
         self.ring = HashRing([b.url for b in backends])
         self._round_robin = itertools.cycle(range(len(backends)))
+        self.recent_prefixes = RecentWrites()
 
     async def route(self, session_id: str | None, block_hashes: list[str], exclude: set[str]) -> RouteDecision:
         candidates = [b for b in self.backends if b.available() and b.url not in exclude]
@@ -68,7 +70,8 @@ class Router:
     def record(self, decision: RouteDecision, block_hashes: list[str]) -> None:
         """The prefix index learns from every decision: the blocks are now in that backend's cache. Written in
         the background: the request need not wait for it (a request racing it routes by load instead)."""
-        if block_hashes:
+        # The last hash names the whole chain: the same chain to the same backend a moment ago is the same write.
+        if block_hashes and self.recent_prefixes.due(block_hashes[-1], decision.backend.url):
             spawn(self.store.prefix_record(block_hashes, decision.backend.url))
 
     async def _route_session(self, session_id: str, candidates: list[Backend]) -> RouteDecision:

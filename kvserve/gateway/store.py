@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from kvserve.gateway.recent import RecentWrites
+
 PREFIX = "kvgw:"
 
 logger = logging.getLogger("kvserve.gateway")
@@ -79,6 +81,7 @@ class RedisStore:
 
         self.url = url
         self.limits = limits
+        self.recent = RecentWrites()
         # Short timeouts and one retry: a dead Redis must become a prompt 503, never a hung request.
         self.redis = redis.Redis.from_url(url, decode_responses=True, socket_timeout=1.0,
                                           socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 1),
@@ -96,8 +99,9 @@ class RedisStore:
 
     async def get_session(self, session_id: str) -> str | None:
         backend = await self._call(self.redis.get(f"{PREFIX}session:{session_id}"))
-        if backend is not None:
-            # Refreshing the TTL and last-seen time changes no routing decision: off the request's path.
+        if backend is not None and self.recent.due(session_id, backend):
+            # Refreshing the TTL and last-seen time changes no routing decision: off the request's path, and
+            # once a minute per session is plenty for a TTL of hours.
             spawn(self._refresh_session(session_id, backend))
         return backend
 
