@@ -4,6 +4,8 @@ second replica) routes every session where it was."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from gateway_harness import backends_fixture, chat, gateway_settings, metric, needs_redis, redis_fixture, start_gateway
 from kvserve.gateway.hashring import HashRing, share_capacity
 
@@ -57,6 +59,20 @@ def test_bounded_load_moves_new_sessions_never_held_ones(backends, redis):
         for session in sessions:  # ...and every session, moved or not, stays where it was placed
             _, headers = chat(gateway, "again", extra_headers={"X-Session-ID": session})
             assert (headers[BACKEND_HEADER], headers[ROUTE_HEADER]) == (placed[session], "session")
+    finally:
+        gateway.stop()
+
+
+def test_sessions_arriving_together_are_spread_too(backends, redis):
+    urls = [b.url for b in backends]
+    gateway = start_gateway(gateway_settings(urls, redis_url=redis.url))
+    ring = HashRing(urls)
+    sessions = [f"burst-{i}" for i in range(400) if ring.owner(f"burst-{i}") == urls[1]][:9]
+    try:
+        with ThreadPoolExecutor(len(sessions)) as pool:  # all nine new sessions in flight at once
+            placed = list(pool.map(lambda s: chat(gateway, "hi", extra_headers={"X-Session-ID": s})[1][BACKEND_HEADER],
+                                   sessions))
+        assert sorted(placed.count(url) for url in urls) == [3, 3, 3]
     finally:
         gateway.stop()
 

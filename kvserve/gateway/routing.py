@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ class Router:
         self.ring = HashRing([b.url for b in backends])
         self._round_robin = itertools.cycle(range(len(backends)))
         self.recent_prefixes = RecentWrites()
+        self._placement_lock = asyncio.Lock()
 
     async def route(self, session_id: str | None, block_hashes: list[str], exclude: set[str]) -> RouteDecision:
         candidates = [b for b in self.backends if b.available() and b.url not in exclude]
@@ -79,6 +81,17 @@ class Router:
         current = next((b for b in candidates if b.url == current_url), None)
         if current is not None and not (self._saturated(current) and self._unsaturated(candidates)):
             return RouteDecision(current, SESSION)
+        # One placement at a time in this process: sessions arriving together would otherwise all read the
+        # same counts and crowd onto one backend. (Replicas may still race; placements are once per session.)
+        async with self._placement_lock:
+            placed_meanwhile = await self.store.get_session(session_id)
+            if placed_meanwhile != current_url:  # a concurrent request of this session placed it
+                backend = next((b for b in candidates if b.url == placed_meanwhile), None)
+                if backend is not None:
+                    return RouteDecision(backend, SESSION)
+            return await self._place(session_id, current_url, candidates)
+
+    async def _place(self, session_id: str, current_url: str | None, candidates: list[Backend]) -> RouteDecision:
         # Placing or moving: only unsaturated backends, unless every one is.
         eligible = self._unsaturated(candidates) or candidates
         counts = await self.store.session_counts()
