@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overhead-requests", type=int, default=200)
     parser.add_argument("--overhead-streams", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-routing", action="store_true", help="measure only the overhead")
     parser.add_argument("--log-dir", default=None, help="where server logs go (default: a temp dir)")
     return parser.parse_args(argv)
 
@@ -175,6 +176,10 @@ def overhead_run(gateway: ServerProcess, api_key: str, model: str, args: argpars
     gaps = asyncio.run(stream_gaps(gateway.url, backend_url, api_key, model, args.overhead_streams))
     return {"direct_p50_ms": float(np.median(direct) * 1000), "gateway_p50_ms": float(np.median(through) * 1000),
             "added_p50_ms": float((np.median(through) - np.median(direct)) * 1000),
+            # Each gateway request beside the direct one just before it: steadier when the machine's load drifts.
+            "added_paired_p50_ms": float(np.median(np.subtract(through, direct)) * 1000),
+            "direct_p90_ms": float(np.percentile(direct, 90) * 1000),
+            "gateway_p90_ms": float(np.percentile(through, 90) * 1000),
             "itl_direct_p50_ms": gaps[0], "itl_gateway_p50_ms": gaps[1]}
 
 
@@ -193,7 +198,14 @@ async def stream_gaps(gateway_url: str, backend_url: str, api_key: str, model: s
     return float(np.median(gaps["direct"]) * 1000), float(np.median(gaps["gateway"]) * 1000)
 
 
-def report(session: dict, round_robin: dict, overhead: dict, store: str, args: argparse.Namespace) -> None:
+def report(session: dict | None, round_robin: dict | None, overhead: dict, store: str,
+           args: argparse.Namespace) -> None:
+    if session is not None and round_robin is not None:
+        report_routing(session, round_robin, store, args)
+    report_overhead(overhead, args)
+
+
+def report_routing(session: dict, round_robin: dict, store: str, args: argparse.Namespace) -> None:
     def shares(row: dict) -> str:
         total = sum(row["prompt_tokens_by_backend"]) or 1.0
         return " / ".join(f"{100 * t / total:.0f}%" for t in row["prompt_tokens_by_backend"])
@@ -208,10 +220,14 @@ def report(session: dict, round_robin: dict, overhead: dict, store: str, args: a
         print(f"{name:28}{session[key]:>18.1f}{round_robin[key]:>14.1f}{session[key] / round_robin[key]:>8.2f}x")
     print(f"{'failed requests':28}{session['failed']:>18}{round_robin['failed']:>14}")
     print(f"{'prompt tokens by backend':28}{shares(session):>18}  {shares(round_robin):>14}")
+
+
+def report_overhead(overhead: dict, args: argparse.Namespace) -> None:
     print(f"\ngateway overhead, {args.overhead_requests} requests each way (max_tokens 1, one at a time): "
           f"direct p50 {overhead['direct_p50_ms']:.2f} ms, through the gateway {overhead['gateway_p50_ms']:.2f} ms, "
-          f"added p50 {overhead['added_p50_ms']:.2f} ms "
-          f"({overhead['gateway_p50_ms'] / overhead['direct_p50_ms']:.2f}x)")
+          f"added p50 {overhead['added_p50_ms']:.2f} ms (paired p50 {overhead['added_paired_p50_ms']:.2f} ms) "
+          f"({overhead['gateway_p50_ms'] / overhead['direct_p50_ms']:.2f}x); p90 {overhead['direct_p90_ms']:.2f} / "
+          f"{overhead['gateway_p90_ms']:.2f} ms")
     print(f"stream inter-chunk gap p50, {args.overhead_streams} streams of 64 tokens each way: direct "
           f"{overhead['itl_direct_p50_ms']:.2f} ms, through the gateway {overhead['itl_gateway_p50_ms']:.2f} ms "
           f"({overhead['itl_gateway_p50_ms'] / overhead['itl_direct_p50_ms']:.2f}x)")
@@ -232,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         round_robin_gateway = stack.enter_context(ServerProcess(gateway_spec(urls, "round-robin", store_flags[1]),
                                                                 work / "gateway-round-robin.log"))
         keys = [create_key(flags) for flags in store_flags]
-        print("round robin ...", flush=True)
-        round_robin = policy_run(round_robin_gateway, backends, keys[1], model, args.seed + 1, args, "rr")
-        print("session routing ...", flush=True)
-        session = policy_run(session_gateway, backends, keys[0], model, args.seed, args, "session")
+        session = round_robin = None
+        if not args.skip_routing:
+            print("round robin ...", flush=True)
+            round_robin = policy_run(round_robin_gateway, backends, keys[1], model, args.seed + 1, args, "rr")
+            print("session routing ...", flush=True)
+            session = policy_run(session_gateway, backends, keys[0], model, args.seed, args, "session")
         print("overhead ...", flush=True)
         overhead = overhead_run(session_gateway, keys[0], model, args)
         report(session, round_robin, overhead, store, args)
