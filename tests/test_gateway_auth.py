@@ -161,3 +161,33 @@ def test_gateway_imports_nothing_of_the_engine():
             "['kvserve','cache']) or m == 'torch'])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_command_serves_with_a_key_from_the_same_store_and_stops_cleanly(backend, tmp_path):
+    import signal
+
+    from gateway_harness import free_port
+    from server_harness import wait_until
+
+    state = ["--state-path", str(tmp_path / "gw.sqlite3")]
+    key = kvserve_gateway("keys", "create", "--name", "cli", *state).stdout.splitlines()[0]
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "gateway", "--backend", backend.url,
+                                "--backend-api-key", BACKEND_KEY, "--host", "127.0.0.1", "--port", str(port),
+                                *state], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(up, timeout_s=30), "the gateway did not come up"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30)
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+        assert reply.choices[0].message.content is not None
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, output

@@ -183,9 +183,11 @@ def test_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):
     config = tmp_path / "gateway.yaml"
     config.write_text("backend: [http://a:8000, http://b:8000/v1]\nrouting: round-robin\nload_factor: 1.5\n"
                       "redis-url: redis://r:6379/0\n")
-    args = build_parser().parse_args(["gateway", "--config", str(config), "--load-factor", "2"])
+    args = build_parser().parse_args(["gateway", "--config", str(config), "--load-factor", "2",
+                                      "--max-attempts", "5", "--breaker-failures", "7"])
     settings = settings_from_args(args)
     assert settings.backends == ["http://a:8000", "http://b:8000"]
+    assert (settings.retry.max_attempts, settings.breaker_failures, settings.require_api_key) == (5, 7, True)
     assert (settings.routing.policy, settings.routing.load_factor, settings.redis_url) == (
         "round-robin", 2.0, "redis://r:6379/0")
 

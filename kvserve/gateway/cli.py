@@ -13,6 +13,7 @@ import os
 import sys
 
 from kvserve.gateway.backends import BadBackendURL, normalize_backend_url
+from kvserve.gateway.proxy import RetryPolicy
 from kvserve.gateway.routing import POLICIES, RoutingConfig
 from kvserve.gateway.settings import DEFAULT_STATE_PATH, GatewaySettings
 from kvserve.gateway.store import StoreLimits, StoreUnavailable, open_store
@@ -96,11 +97,14 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         raise StartupError("give at least one --backend URL")
     if args.load_factor < 1.0:
         raise StartupError("--load-factor must be at least 1")
+    if args.max_attempts < 1:
+        raise StartupError("--max-attempts must be at least 1")
     backends = list(dict.fromkeys(normalize_backend_url(url) for url in args.backend))
     return GatewaySettings(
         backends=backends, redis_url=args.redis_url, state_path=args.state_path,
         require_api_key=not args.disable_auth, backend_api_key=args.backend_api_key,
         routing=RoutingConfig(policy=args.routing, load_factor=args.load_factor),
+        retry=RetryPolicy(max_attempts=args.max_attempts),
         store_limits=StoreLimits(session_ttl_s=args.session_ttl, conversation_ttl_s=args.conversation_ttl,
                                  conversation_max_messages=args.conversation_max_messages),
         health_interval_s=args.health_interval, breaker_failures=args.breaker_failures,
