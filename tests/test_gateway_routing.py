@@ -42,8 +42,9 @@ def test_bounded_load_moves_new_sessions_never_held_ones(backends, redis):
     gateway = start_gateway(gateway_settings(urls, redis_url=redis.url))
     ring = HashRing(urls)
     crowded = urls[0]
-    # Sessions whose ring owner is the same backend: without the bound they would all land there.
-    sessions = [f"crowd-{i}" for i in range(400) if ring.owner(f"crowd-{i}") == crowded][:9]
+    # Sessions whose ring owner is the same backend (the gateway namespaces header sessions): without the
+    # bound they would all land there.
+    sessions = [f"crowd-{i}" for i in range(400) if ring.owner(f"header:crowd-{i}") == crowded][:9]
     try:
         placed = {}
         for index, session in enumerate(sessions):
@@ -55,7 +56,9 @@ def test_bounded_load_moves_new_sessions_never_held_ones(backends, redis):
             assert counts[placed[session]] <= share_capacity(before, urls, gateway.settings.routing.load_factor)
         # All nine want the same backend; the bound (1.0 x the mean) spreads them three a backend...
         assert sorted(counts.values()) == [3, 3, 3] and counts[crowded] == 3
-        assert metric(gateway.metrics(), "kvserve:gateway_routing_decisions_total", reason="bounded") > 0
+        samples = gateway.metrics()  # three took their owner, six went on round the ring
+        assert metric(samples, "kvserve:gateway_routing_decisions_total", reason="session_new") == 3
+        assert metric(samples, "kvserve:gateway_routing_decisions_total", reason="bounded") == 6
         for session in sessions:  # ...and every session, moved or not, stays where it was placed
             _, headers = chat(gateway, "again", extra_headers={"X-Session-ID": session})
             assert (headers[BACKEND_HEADER], headers[ROUTE_HEADER]) == (placed[session], "session")
@@ -67,7 +70,7 @@ def test_sessions_arriving_together_are_spread_too(backends, redis):
     urls = [b.url for b in backends]
     gateway = start_gateway(gateway_settings(urls, redis_url=redis.url))
     ring = HashRing(urls)
-    sessions = [f"burst-{i}" for i in range(400) if ring.owner(f"burst-{i}") == urls[1]][:9]
+    sessions = [f"burst-{i}" for i in range(400) if ring.owner(f"header:burst-{i}") == urls[1]][:9]
     try:
         with ThreadPoolExecutor(len(sessions)) as pool:  # all nine new sessions in flight at once
             placed = list(pool.map(lambda s: chat(gateway, "hi", extra_headers={"X-Session-ID": s})[1][BACKEND_HEADER],

@@ -109,7 +109,7 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
     if "conversation" in body and not chat:
         raise bad_request("conversation is only for /v1/chat/completions", param="conversation")
     turn = await expand_conversation(gateway.store, body) if chat else None
-    session_id = turn.session_id if turn else request.headers.get(SESSION_HEADER) or _user_of(body)
+    session_id = turn.session_id if turn else _header_session(request) or _user_of(body)
     stream = bool(body.get("stream"))
     drop_usage = stream and key is not None and key.tokens_per_minute > 0 and not _asked_usage(body)
     if drop_usage:  # the gateway must count this stream's tokens; the client did not ask to see them
@@ -194,6 +194,12 @@ async def _finish(gateway: Gateway, exchange: Exchange, answer: str | None, tota
 
 def _outcome(status: int) -> str:
     return SUCCESS if status < 400 else CLIENT_ERROR if status < 500 else BACKEND_ERROR
+
+
+def _header_session(request: Request) -> str | None:
+    # Namespaced like users and conversations, so a header can never claim a conversation's session.
+    value = request.headers.get(SESSION_HEADER)
+    return f"header:{value}" if value else None
 
 
 def _user_of(body: dict) -> str | None:
