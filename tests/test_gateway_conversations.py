@@ -38,7 +38,9 @@ def test_conversation_history_is_resent_exactly_and_the_prefix_cache_hits_more_e
         expected: list[dict] = []
         cached_tokens, hit_gains, served_by = [], [], set()
         for turn, question in enumerate(QUESTIONS):
-            new = ([SYSTEM] if turn == 0 else []) + [{"role": "user", "content": question}]
+            # The system prompt names the store: turn 1 must find nothing another test left in a backend's cache.
+            system = {**SYSTEM, "content": f"[{store}] {SYSTEM['content']}"}
+            new = ([system] if turn == 0 else []) + [{"role": "user", "content": question}]
             before = {b.url: prefix_hits(b) for b in backends}
             completion, headers = conversation_turn(gateway, conversation_id, new)
             served_by.add(headers["x-kvserve-backend"])
