@@ -191,3 +191,23 @@ def test_the_command_serves_with_a_key_from_the_same_store_and_stops_cleanly(bac
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=30)
     assert process.returncode == 0, output
+
+
+def test_a_conversation_belongs_to_the_key_that_started_it(gateway, redis):
+    owner, _ = create_key(redis)
+    other, _ = create_key(redis)
+
+    def turn(key: str, content: str) -> httpx.Response:
+        return httpx.post(f"{gateway.base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                          timeout=30, json={"model": MODEL_NAME, "conversation": "shared-name", "max_tokens": 2,
+                                            "messages": [{"role": "user", "content": content}]})
+
+    def history(key: str) -> httpx.Response:
+        return httpx.get(f"{gateway.base_url}/conversations/shared-name", headers={"Authorization": f"Bearer {key}"},
+                         timeout=30)
+
+    assert turn(owner, "the owner's secret plan").status_code == 200
+    assert assert_envelope(history(other), 404)["code"] == "conversation_not_found"  # not even its existence
+    assert turn(other, "someone else").status_code == 200  # the same name starts the other key's own
+    assert [m["content"] for m in history(other).json()["messages"]][0] == "someone else"
+    assert [m["content"] for m in history(owner).json()["messages"]][0] == "the owner's secret plan"

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from kvserve.gateway.backends import Backend
 from kvserve.gateway.breaker import CircuitBreaker
+from kvserve.gateway.conversation import stored_id
 from kvserve.gateway.forward import Gateway, authenticate, forward_completion
 from kvserve.gateway.health import check_all, health_loop
 from kvserve.gateway.metrics import GatewayMetrics
@@ -90,8 +91,8 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
     @app.get("/v1/conversations/{conversation_id}")
     async def conversation(conversation_id: str, request: Request) -> Response:
         gateway = holder["gateway"]
-        await authenticate(gateway, request)
-        messages = await gateway.store.conversation_load(conversation_id)
+        key = await authenticate(gateway, request)
+        messages = await gateway.store.conversation_load(stored_id(conversation_id, key.key_id if key else None))
         if not messages:
             raise APIError(404, f"no conversation {conversation_id!r}", code="conversation_not_found")
         return json_response({"id": conversation_id, "object": "conversation", "messages": messages})

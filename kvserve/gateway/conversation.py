@@ -15,9 +15,14 @@ from kvserve.server.errors import bad_request
 MAX_CONVERSATION_ID_CHARS = 256
 
 
+def stored_id(conversation_id: str, owner: str | None) -> str:
+    """A conversation belongs to the key that started it: another key naming the same id gets its own."""
+    return f"{owner}/{conversation_id}" if owner else conversation_id
+
+
 @dataclass(slots=True)
 class ConversationTurn:
-    conversation_id: str
+    conversation_id: str  # as stored: the owner's key id and the client's id
     new_messages: list[dict]
 
     @property
@@ -25,8 +30,9 @@ class ConversationTurn:
         return f"conversation:{self.conversation_id}"
 
 
-async def expand_conversation(store: Store, body: dict) -> ConversationTurn | None:
-    """Takes `conversation` out of `body` (the backend would reject it) and puts the history before its messages."""
+async def expand_conversation(store: Store, body: dict, owner: str | None) -> ConversationTurn | None:
+    """Takes `conversation` out of `body` (the backend would reject it) and puts the history before its messages.
+    `owner`: the key id of the request (None without keys)."""
     conversation_id = body.pop("conversation", None)
     if conversation_id is None:
         return None
@@ -36,6 +42,7 @@ async def expand_conversation(store: Store, body: dict) -> ConversationTurn | No
     new_messages = body.get("messages")
     if not isinstance(new_messages, list) or not new_messages or not all(isinstance(m, dict) for m in new_messages):
         raise bad_request("messages must be a non-empty list of message objects", param="messages")
+    conversation_id = stored_id(conversation_id, owner)
     body["messages"] = [*await store.conversation_load(conversation_id), *new_messages]
     return ConversationTurn(conversation_id, new_messages)
 

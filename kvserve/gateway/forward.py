@@ -108,7 +108,7 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
     body = parse_body(raw)
     if "conversation" in body and not chat:
         raise bad_request("conversation is only for /v1/chat/completions", param="conversation")
-    turn = await expand_conversation(gateway.store, body) if chat else None
+    turn = await expand_conversation(gateway.store, body, key.key_id if key else None) if chat else None
     session_id = turn.session_id if turn else _header_session(request) or _user_of(body)
     stream = bool(body.get("stream"))
     drop_usage = stream and key is not None and key.tokens_per_minute > 0 and not _asked_usage(body)
