@@ -79,11 +79,11 @@ def main() -> None:
     parser.add_argument("--pool-sessions", type=float, default=2.0, help="how many histories the pool holds")
     parser.add_argument("--mixed-requests", type=int, default=96)
     args = parser.parse_args()
-    probe = LLM(args.model, kv_cache_memory=0.05, max_model_len=8192)
+    probe = LLM(args.model, kv_cache_memory=0.05, max_model_len=1024)
     prompts = histories(probe, args.sessions, args.history)
     pool_gib = args.pool_sessions * (args.history + 64) * probe.engine.pool.block_bytes / probe.engine.pool.block_size / GIB
     del probe
-    common = dict(kv_cache_memory=pool_gib, max_model_len=8192)
+    common = dict(kv_cache_memory=pool_gib, max_model_len=args.history + 256)
     print(f"CPU family {selected_isa().label}; {args.sessions} sessions x {args.history} tokens, pool {pool_gib:.3f} GiB "
           f"(~{args.pool_sessions:g} histories)")
     results = {}

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                               "against the model's precision"),
     "bench": ("kvserve.bench.cli", "load-test an OpenAI-compatible server (TTFT, TPOT, throughput, cache hits); "
                                    "compare runs; run the benchmark suite"),
+    "gateway": ("kvserve.gateway.cli", "OpenAI-compatible gateway: session/prefix routing, conversations, keys, limits"),
 }
 
 

@@ -50,14 +50,7 @@ class RunningServer:
 
     def metrics(self) -> dict[str, float]:
         """Every sample as 'name{label=value,...}' -> value (labels sorted, model_name/engine dropped)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        samples: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
-                label_text = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-                samples[sample.name + (f"{{{label_text}}}" if labels else "")] = sample.value
-        return samples
+        return scrape_metrics(self.url)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -80,6 +73,12 @@ def start_server(model_dir: Path | None, settings: ServerSettings | None = None,
     settings = settings or ServerSettings(served_model_names=[MODEL_NAME, ALIAS])
     settings.log_stats_interval_s = None
     app = build_app(engine, settings)
+    url, server, thread = serve_in_thread(app, shutdown_timeout_s)
+    return RunningServer(url, engine, server, thread, settings)
+
+
+def serve_in_thread(app, shutdown_timeout_s: float = 5.0) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """An ASGI app served by uvicorn in a daemon thread on a free port of 127.0.0.1: (url, server, thread)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -92,7 +91,19 @@ def start_server(model_dir: Path | None, settings: ServerSettings | None = None,
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.01)
-    return RunningServer(f"http://127.0.0.1:{port}", engine, server, thread, settings)
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+def scrape_metrics(url: str, drop_labels: tuple[str, ...] = ("model_name", "engine")) -> dict[str, float]:
+    """Every sample of url/metrics as 'name{label=value,...}' -> value (labels sorted, `drop_labels` dropped)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k not in drop_labels}
+            label_text = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            samples[sample.name + (f"{{{label_text}}}" if labels else "")] = sample.value
+    return samples
 
 
 def slowed(step, seconds: float = 0.01):

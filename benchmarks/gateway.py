@@ -1,0 +1,264 @@
+"""The gateway against its baselines, in one run: three `kvserve serve` backends on the demo model, two gateways
+in front of them (session routing and round robin, both `kvserve gateway` processes over one redis-server, or
+SQLite when redis-server is not installed), and
+
+1. a multi-turn chat workload (the bench's `multi-turn` sessions, each session its own `user`, every turn
+   resending the history with the server's actual answers) through each gateway: the backends' prefix-cache
+   hit rate over the run (their own vllm:prefix_cache_* counters), TTFT p95, and how requests spread;
+2. the gateway's overhead: small requests sent alternately to a backend directly and through the gateway
+   (pinned to that backend by a session), p50 latency difference; and streams' inter-chunk gaps both ways.
+
+    python benchmarks/gateway.py [--num-sessions 12 --num-turns 6 ...]
+
+The two policies' workloads use different seeds, so neither run finds the other's text in a cache.
+Everything shares this machine's cores: the absolute figures move with its load, the ratios much less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_all import ServerProcess, ServerSpec, free_port  # noqa: E402
+
+from kvserve.bench.client import CHAT, COMPLETIONS, Target, make_http_client, send_request  # noqa: E402
+from kvserve.bench.prompts import chat_messages  # noqa: E402
+from kvserve.bench.records import RequestRecord  # noqa: E402
+from kvserve.bench.text import WordText  # noqa: E402
+from kvserve.bench.workloads import MultiTurnWorkload  # noqa: E402
+
+TOKENS_PER_WORD = 1.3  # the demo tokenizer on the bench's random words, near enough for sizing
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:prompt_tokens_total")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-backends", type=int, default=3)
+    parser.add_argument("--num-sessions", type=int, default=12)
+    parser.add_argument("--num-turns", type=int, default=6)
+    parser.add_argument("--max-concurrency", type=int, default=6, help="sessions in flight at once")
+    parser.add_argument("--system-prompt-len", type=int, default=64)
+    parser.add_argument("--user-len", type=int, default=96)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV pool per backend")
+    parser.add_argument("--overhead-requests", type=int, default=200)
+    parser.add_argument("--overhead-streams", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-routing", action="store_true", help="measure only the overhead")
+    parser.add_argument("--log-dir", default=None, help="where server logs go (default: a temp dir)")
+    return parser.parse_args(argv)
+
+
+def backend_spec(kv_cache_memory: float) -> ServerSpec:
+    command = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
+               "--max-model-len", "4096", "--kv-cache-memory", str(kv_cache_memory), "--disable-log-stats"]
+    return ServerSpec("backend", "kvserve serve", command, "kvserve serve")
+
+
+def gateway_spec(backend_urls: list[str], routing: str, store_flags: list[str]) -> ServerSpec:
+    command = [sys.executable, "-m", "kvserve.cli", "gateway", "--host", "127.0.0.1", "--port", "{port}",
+               "--backend", *backend_urls, "--routing", routing, "--log-level", "warning", *store_flags]
+    return ServerSpec(f"gateway-{routing}", f"kvserve gateway --routing {routing}", command, "kvserve gateway")
+
+
+@contextlib.contextmanager
+def state_store(work: Path):
+    """Flags for two gateways' stores (Redis databases 0 and 1, or two SQLite files) and what it is."""
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        yield [["--state-path", str(work / f"gw{i}.sqlite3")] for i in range(2)], "SQLite"
+        return
+    port = free_port()
+    process = subprocess.Popen([redis_server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(work),
+                                "--save", ""], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(200):  # until it accepts connections
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield [["--redis-url", f"redis://127.0.0.1:{port}/{i}"] for i in range(2)], "Redis"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def create_key(store_flags: list[str]) -> str:
+    result = subprocess.run([sys.executable, "-m", "kvserve.cli", "gateway", "keys", "create", "--name", "bench",
+                             "--rpm", "1000000", *store_flags], capture_output=True, text=True, check=True)
+    return result.stdout.splitlines()[0]
+
+
+def scrape(url: str) -> dict[str, float]:
+    totals = dict.fromkeys(COUNTERS, 0.0)
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals
+
+
+async def run_sessions(gateway_url: str, api_key: str, model: str, workload: MultiTurnWorkload,
+                       args: argparse.Namespace, label: str) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+    gate = asyncio.Semaphore(args.max_concurrency)
+    started = time.perf_counter()
+    async with make_http_client(600.0) as http:
+        async def session(index: int) -> None:
+            target = Target(gateway_url, model, CHAT, api_key, temperature=0.0, ignore_eos=True,
+                            extra_body={"user": f"{label}-{index}"})
+            conversation, replies = workload.session(index), []
+            async with gate:
+                for turn in range(args.num_turns):
+                    record = RequestRecord(index, turn, time.perf_counter() - started, args.output_len)
+                    await send_request(http, target, record, chat_messages(conversation, turn, replies), 600.0)
+                    records.append(record)
+                    if not record.ok:
+                        return
+                    replies.append(record.output_text)
+
+        await asyncio.gather(*(session(i) for i in range(args.num_sessions)))
+    return records
+
+
+def policy_run(gateway: ServerProcess, backends: list[ServerProcess], api_key: str, model: str, seed: int,
+               args: argparse.Namespace, label: str) -> dict:
+    workload = MultiTurnWorkload(WordText(TOKENS_PER_WORD), seed, args.num_turns, args.system_prompt_len,
+                                 args.user_len, args.output_len)
+    before = [scrape(b.url) for b in backends]
+    records = asyncio.run(run_sessions(gateway.url, api_key, model, workload, args, label))
+    after = [scrape(b.url) for b in backends]
+    delta = [{name: a[name] - b[name] for name in COUNTERS} for a, b in zip(after, before)]
+    hits = sum(d["vllm:prefix_cache_hits_total"] for d in delta)
+    queries = sum(d["vllm:prefix_cache_queries_total"] for d in delta)
+    ok = [r for r in records if r.ok]
+    prompt_shares = [d["vllm:prompt_tokens_total"] for d in delta]
+    return {
+        "requests": len(records), "failed": len(records) - len(ok),
+        "hit_rate": hits / queries if queries else 0.0,
+        "ttft_p50_ms": float(np.percentile([r.ttft_s for r in ok], 50) * 1000),
+        "ttft_p95_ms": float(np.percentile([r.ttft_s for r in ok], 95) * 1000),
+        "prompt_tokens_by_backend": prompt_shares,
+    }
+
+
+def timed_post(client: httpx.Client, url: str, body: dict, headers: dict[str, str]) -> tuple[float, httpx.Response]:
+    started = time.perf_counter()
+    response = client.post(url, json=body, headers=headers)
+    return time.perf_counter() - started, response
+
+
+def overhead_run(gateway: ServerProcess, api_key: str, model: str, args: argparse.Namespace) -> dict:
+    """Small requests, one at a time, alternating direct and through the gateway, to the same backend."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    pinned = {"Authorization": f"Bearer {api_key}", "X-Session-ID": "overhead-probe"}
+    with httpx.Client(timeout=60) as client:
+        _, first = timed_post(client, f"{gateway.url}/v1/completions", body, pinned)
+        backend_url = first.headers["x-kvserve-backend"]
+        direct, through = [], []
+        for _ in range(args.overhead_requests):
+            direct.append(timed_post(client, f"{backend_url}/v1/completions", body, {})[0])
+            through.append(timed_post(client, f"{gateway.url}/v1/completions", body, pinned)[0])
+    gaps = asyncio.run(stream_gaps(gateway.url, backend_url, api_key, model, args.overhead_streams))
+    return {"direct_p50_ms": float(np.median(direct) * 1000), "gateway_p50_ms": float(np.median(through) * 1000),
+            "added_p50_ms": float((np.median(through) - np.median(direct)) * 1000),
+            # Each gateway request beside the direct one just before it: steadier when the machine's load drifts.
+            "added_paired_p50_ms": float(np.median(np.subtract(through, direct)) * 1000),
+            "direct_p90_ms": float(np.percentile(direct, 90) * 1000),
+            "gateway_p90_ms": float(np.percentile(through, 90) * 1000),
+            "itl_direct_p50_ms": gaps[0], "itl_gateway_p50_ms": gaps[1]}
+
+
+async def stream_gaps(gateway_url: str, backend_url: str, api_key: str, model: str, count: int) -> tuple[float, float]:
+    """p50 gap between a stream's text chunks, direct and through the gateway (streams must not be held back)."""
+    gaps: dict[str, list[float]] = {"direct": [], "gateway": []}
+    targets = {"direct": Target(backend_url, model, COMPLETIONS, ignore_eos=True),
+               "gateway": Target(gateway_url, model, COMPLETIONS, api_key, ignore_eos=True,
+                                 extra_body={"user": "overhead-probe-stream"})}
+    async with make_http_client(600.0) as http:
+        for index in range(count):
+            for name, target in targets.items():
+                record = RequestRecord(index, 0, 0.0, 64)
+                await send_request(http, target, record, "Tell me about caches.", 600.0)
+                gaps[name].extend(record.inter_token_latencies_s)
+    return float(np.median(gaps["direct"]) * 1000), float(np.median(gaps["gateway"]) * 1000)
+
+
+def report(session: dict | None, round_robin: dict | None, overhead: dict, store: str,
+           args: argparse.Namespace) -> None:
+    if session is not None and round_robin is not None:
+        report_routing(session, round_robin, store, args)
+    report_overhead(overhead, args)
+
+
+def report_routing(session: dict, round_robin: dict, store: str, args: argparse.Namespace) -> None:
+    def shares(row: dict) -> str:
+        total = sum(row["prompt_tokens_by_backend"]) or 1.0
+        return " / ".join(f"{100 * t / total:.0f}%" for t in row["prompt_tokens_by_backend"])
+
+    print(f"\n{args.num_backends} backends (demo model), state in {store}; {args.num_sessions} sessions x "
+          f"{args.num_turns} turns, system {args.system_prompt_len} + user {args.user_len} tokens a turn, "
+          f"{args.output_len} out, {args.max_concurrency} sessions at once")
+    print(f"{'':28}{'session routing':>18}{'round robin':>14}{'ratio':>9}")
+    print(f"{'prefix-cache hit rate':28}{session['hit_rate']:>17.1%}{round_robin['hit_rate']:>14.1%}"
+          f"{session['hit_rate'] / max(round_robin['hit_rate'], 1e-9):>8.2f}x")
+    for key, name in (("ttft_p95_ms", "TTFT p95 (ms)"), ("ttft_p50_ms", "TTFT p50 (ms)")):
+        print(f"{name:28}{session[key]:>18.1f}{round_robin[key]:>14.1f}{session[key] / round_robin[key]:>8.2f}x")
+    print(f"{'failed requests':28}{session['failed']:>18}{round_robin['failed']:>14}")
+    print(f"{'prompt tokens by backend':28}{shares(session):>18}  {shares(round_robin):>14}")
+
+
+def report_overhead(overhead: dict, args: argparse.Namespace) -> None:
+    print(f"\ngateway overhead, {args.overhead_requests} requests each way (max_tokens 1, one at a time): "
+          f"direct p50 {overhead['direct_p50_ms']:.2f} ms, through the gateway {overhead['gateway_p50_ms']:.2f} ms, "
+          f"added p50 {overhead['added_p50_ms']:.2f} ms (paired p50 {overhead['added_paired_p50_ms']:.2f} ms) "
+          f"({overhead['gateway_p50_ms'] / overhead['direct_p50_ms']:.2f}x); p90 {overhead['direct_p90_ms']:.2f} / "
+          f"{overhead['gateway_p90_ms']:.2f} ms")
+    print(f"stream inter-chunk gap p50, {args.overhead_streams} streams of 64 tokens each way: direct "
+          f"{overhead['itl_direct_p50_ms']:.2f} ms, through the gateway {overhead['itl_gateway_p50_ms']:.2f} ms "
+          f"({overhead['itl_gateway_p50_ms'] / overhead['itl_direct_p50_ms']:.2f}x)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvserve-gateway-bench-") as temp, contextlib.ExitStack() as stack:
+        work = Path(args.log_dir or temp)
+        print(f"starting {args.num_backends} backends (logs in {work}) ...", flush=True)
+        backends = [stack.enter_context(ServerProcess(backend_spec(args.kv_cache_memory), work / f"backend{i}.log"))
+                    for i in range(args.num_backends)]
+        model = httpx.get(f"{backends[0].url}/v1/models", timeout=10).json()["data"][0]["id"]
+        store_flags, store = stack.enter_context(state_store(work))
+        urls = [b.url for b in backends]
+        session_gateway = stack.enter_context(ServerProcess(gateway_spec(urls, "session", store_flags[0]),
+                                                            work / "gateway-session.log"))
+        round_robin_gateway = stack.enter_context(ServerProcess(gateway_spec(urls, "round-robin", store_flags[1]),
+                                                                work / "gateway-round-robin.log"))
+        keys = [create_key(flags) for flags in store_flags]
+        session = round_robin = None
+        if not args.skip_routing:
+            print("round robin ...", flush=True)
+            round_robin = policy_run(round_robin_gateway, backends, keys[1], model, args.seed + 1, args, "rr")
+            print("session routing ...", flush=True)
+            session = policy_run(session_gateway, backends, keys[0], model, args.seed, args, "session")
+        print("overhead ...", flush=True)
+        overhead = overhead_run(session_gateway, keys[0], model, args)
+        report(session, round_robin, overhead, store, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The gateway's FastAPI app: OpenAI's routes proxied to the backends, plus `/health`, `/metrics` and
+`GET /v1/conversations/{id}` (a stored conversation's messages). Errors use OpenAI's envelope, the server's own
+handlers; a store that fails (Redis down) is a 503 with code `store_unavailable`, never a hung request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from kvserve.gateway.backends import Backend
+from kvserve.gateway.breaker import CircuitBreaker
+from kvserve.gateway.conversation import stored_id
+from kvserve.gateway.forward import Gateway, authenticate, forward_completion
+from kvserve.gateway.health import check_all, health_loop
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.routing import Router
+from kvserve.gateway.settings import GatewaySettings
+from kvserve.gateway.store import Store, StoreUnavailable, drain_background, open_store
+from kvserve.server.errors import SERVER_ERROR, APIError, install_error_handlers
+from kvserve.server.responses import json_response
+
+logger = logging.getLogger("kvserve.gateway")
+
+
+def make_backends(settings: GatewaySettings) -> list[Backend]:
+    return [Backend(url, CircuitBreaker(settings.breaker_failures, settings.breaker_open_s))
+            for url in settings.backends]
+
+
+def make_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(settings.upstream_timeout_s, connect=settings.connect_timeout_s)
+    # No pool cap: the backends' own queues are the limit, and a capped pool would queue requests unseen.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
+    """`store` None: opened from the settings inside the server's event loop (Redis's client is bound to it)."""
+    backends = make_backends(settings)
+    metrics = GatewayMetrics(backends)
+    holder: dict[str, Gateway] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gateway_store = store or open_store(settings.redis_url, settings.state_path, settings.store_limits)
+        http = make_http_client(settings)
+        holder["gateway"] = Gateway(settings, gateway_store, backends,
+                                    Router(backends, gateway_store, settings.routing), metrics, http)
+        checks = httpx.AsyncClient(timeout=settings.health_timeout_s)
+        await check_all(checks, backends, settings.backend_headers())
+        task = asyncio.create_task(health_loop(checks, backends, settings.backend_headers(),
+                                               settings.health_interval_s))
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await checks.aclose()
+            await http.aclose()
+            await drain_background()
+            await gateway_store.close()
+
+    app = FastAPI(title="kvserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> Response:
+        logger.warning("store unavailable: %s", exc)
+        return APIError(503, f"the gateway's state store is unavailable: {exc}", type=SERVER_ERROR,
+                        code="store_unavailable", headers={"Retry-After": "1"}).response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await forward_completion(holder["gateway"], request, "/v1/chat/completions", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward_completion(holder["gateway"], request, "/v1/completions", chat=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gateway = holder["gateway"]
+        await authenticate(gateway, request)
+        return await _first_answer(gateway, "/v1/models")
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def conversation(conversation_id: str, request: Request) -> Response:
+        gateway = holder["gateway"]
+        key = await authenticate(gateway, request)
+        messages = await gateway.store.conversation_load(stored_id(conversation_id, key.key_id if key else None))
+        if not messages:
+            raise APIError(404, f"no conversation {conversation_id!r}", code="conversation_not_found")
+        return json_response({"id": conversation_id, "object": "conversation", "messages": messages})
+
+    @app.get("/health")
+    async def health() -> Response:
+        gateway = holder["gateway"]
+        await gateway.store.ping()
+        up = [b.url for b in gateway.backends if b.available()]
+        if not up:
+            raise APIError(503, "no backend is healthy", type=SERVER_ERROR, code="no_backend_available")
+        return json_response({"status": "ok", "backends_up": up})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _first_answer(gateway: Gateway, path: str) -> Response:
+    """A GET every backend answers alike (the models list): the first available backend that answers."""
+    for backend in gateway.backends:
+        if not backend.available():
+            continue
+        try:
+            response = await gateway.http.get(backend.url + path, headers=gateway.settings.backend_headers())
+        except httpx.HTTPError:
+            continue
+        return Response(response.content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type", "application/json"))
+    raise APIError(503, "no backend is available", type=SERVER_ERROR, code="no_backend_available")

@@ -1,0 +1,225 @@
+"""One completion request through the gateway: authenticate, count against the key's limits, expand a
+conversation, route, open upstream (with retries), then answer with the backend's response, whole or streamed,
+and store the conversation turn and the tokens once the answer is complete."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvserve.gateway import limits
+from kvserve.gateway.backends import Backend
+from kvserve.gateway.conversation import ConversationTurn, answer_of, expand_conversation, record_turn
+from kvserve.gateway.keys import KeyRecord, verify_key
+from kvserve.gateway.limits import LimitState
+from kvserve.gateway.metrics import BACKEND_ERROR, CLIENT_ERROR, CLIENT_GONE, SUCCESS, UNAVAILABLE, GatewayMetrics
+from kvserve.gateway.prefix import prefix_block_hashes
+from kvserve.gateway.proxy import Upstream, UpstreamFailed, open_upstream
+from kvserve.gateway.routing import Router
+from kvserve.gateway.settings import GatewaySettings
+from kvserve.gateway.store import Store, StoreUnavailable
+from kvserve.gateway.stream import StreamTap, UpstreamStreamResponse, sse_events
+from kvserve.server.auth import bearer_token
+from kvserve.server.errors import SERVER_ERROR, APIError, bad_request
+from kvserve.server.sse import SSE_HEADERS
+
+SESSION_HEADER = "x-session-id"
+BACKEND_HEADER = "x-kvserve-backend"  # which backend answered, and why: for operators and tests
+ROUTE_HEADER = "x-kvserve-route"
+
+logger = logging.getLogger("kvserve.gateway")
+
+
+@dataclass(slots=True)
+class Gateway:
+    settings: GatewaySettings
+    store: Store
+    backends: list[Backend]
+    router: Router
+    metrics: GatewayMetrics
+    http: httpx.AsyncClient
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One client request on its way through."""
+
+    path: str
+    body: dict
+    key: KeyRecord | None
+    limit: LimitState | None
+    turn: ConversationTurn | None
+    session_id: str | None
+
+    def response_headers(self, upstream: Upstream) -> dict[str, str]:
+        headers = {BACKEND_HEADER: upstream.backend.url, ROUTE_HEADER: upstream.decision.reason}
+        if self.limit is not None:
+            headers.update(self.limit.headers())
+        return headers
+
+
+async def authenticate(gateway: Gateway, request: Request) -> KeyRecord | None:
+    if not gateway.settings.require_api_key:
+        return None
+    token = bearer_token(request.headers.get("authorization", "").encode())
+    record = await verify_key(gateway.store, token.decode(errors="replace")) if token else None
+    if record is None:
+        gateway.metrics.rejected.labels("unauthorized").inc()
+        raise APIError(401, "Incorrect API key provided. Send a key from `kvserve gateway keys create` as "
+                       "'Authorization: Bearer <key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return record
+
+
+async def admit(gateway: Gateway, key: KeyRecord | None) -> LimitState | None:
+    if key is None:
+        return None
+    state = await limits.admit(gateway.store, key)
+    exceeded = state.exceeded
+    if exceeded is not None:
+        gateway.metrics.rejected.labels(f"rate_limit_{exceeded}").inc()
+        limit = state.requests_limit if exceeded == "requests" else state.tokens_limit
+        raise APIError(429, f"Rate limit reached for key {key.key_id} on {exceeded} per minute: limit {limit}. "
+                       f"Try again in {math.ceil(state.reset_s)}s.", type=exceeded, code="rate_limit_exceeded",
+                       headers={**state.headers(), "Retry-After": str(math.ceil(state.reset_s))})
+    return state
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise bad_request("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+async def forward_completion(gateway: Gateway, request: Request, path: str, chat: bool) -> Response:
+    key = await authenticate(gateway, request)
+    limit = await admit(gateway, key)
+    raw = await request.body()
+    body = parse_body(raw)
+    if "conversation" in body and not chat:
+        raise bad_request("conversation is only for /v1/chat/completions", param="conversation")
+    turn = await expand_conversation(gateway.store, body, key.key_id if key else None) if chat else None
+    session_id = turn.session_id if turn else _header_session(request) or _user_of(body)
+    stream = bool(body.get("stream"))
+    drop_usage = stream and key is not None and key.tokens_per_minute > 0 and not _asked_usage(body)
+    if drop_usage:  # the gateway must count this stream's tokens; the client did not ask to see them
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    content = raw if turn is None and not drop_usage else json.dumps(body, ensure_ascii=False).encode()
+    exchange = Exchange(path, body, key, limit, turn, session_id)
+    upstream = await _open(gateway, exchange, content)
+    if stream and upstream.response.status_code == 200:
+        return _stream_response(gateway, exchange, upstream, StreamTap(drop_usage_event=drop_usage))
+    return await _whole_response(gateway, exchange, upstream)
+
+
+async def _open(gateway: Gateway, exchange: Exchange, content: bytes) -> Upstream:
+    headers = {"content-type": "application/json", **gateway.settings.backend_headers()}
+    block_hashes = prefix_block_hashes(exchange.body, gateway.settings.prefix_block_chars)
+    try:
+        return await open_upstream(gateway.http, gateway.router, gateway.metrics, gateway.settings.retry,
+                                   exchange.path, content, headers, exchange.session_id, block_hashes)
+    except UpstreamFailed as exc:
+        gateway.metrics.requests.labels("none", UNAVAILABLE).inc()
+        raise APIError(503, f"no backend could take the request: {exc}", type=SERVER_ERROR,
+                       code="no_backend_available", headers={"Retry-After": "1"}) from None
+
+
+async def _whole_response(gateway: Gateway, exchange: Exchange, upstream: Upstream) -> Response:
+    try:
+        content = await upstream.response.aread()
+    except httpx.HTTPError as exc:
+        gateway.metrics.requests.labels(upstream.backend.url, BACKEND_ERROR).inc()
+        raise APIError(502, f"backend {upstream.backend.url} failed while answering: {type(exc).__name__}",
+                       type=SERVER_ERROR, code="backend_error") from None
+    finally:
+        await upstream.close()
+    status = upstream.response.status_code
+    if status == 200:
+        completion = _json_or_none(content)
+        await _finish(gateway, exchange, answer_of(completion) if completion else None,
+                      _total_tokens(completion))
+    gateway.metrics.requests.labels(upstream.backend.url, _outcome(status)).inc()
+    media_type = upstream.response.headers.get("content-type", "application/json")
+    return Response(content, status_code=status, media_type=media_type, headers=exchange.response_headers(upstream))
+
+
+def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, tap: StreamTap) -> Response:
+    outcome = [CLIENT_GONE]  # until the stream ends one way or the other
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for event in sse_events(upstream.response.aiter_raw()):
+                if tap.read(event):
+                    yield event
+        except httpx.HTTPError as exc:
+            # Too late to retry: tokens reached the client. Say so in the stream, as the engine itself would.
+            outcome[0] = BACKEND_ERROR
+            error = APIError(502, f"backend {upstream.backend.url} failed mid-stream: {type(exc).__name__}",
+                             type=SERVER_ERROR, code="backend_error")
+            yield f"data: {json.dumps(error.envelope())}\n\n".encode()
+            return
+        outcome[0] = SUCCESS if tap.done else BACKEND_ERROR
+
+    async def on_close() -> None:
+        await upstream.close()
+        if outcome[0] == BACKEND_ERROR:
+            upstream.backend.breaker.on_failure()
+        gateway.metrics.requests.labels(upstream.backend.url, outcome[0]).inc()
+        if tap.done:
+            try:
+                await _finish(gateway, exchange, tap.text, tap.total_tokens)
+            except StoreUnavailable as exc:  # the answer has reached the client; only the record is lost
+                logger.warning("could not store a streamed turn: %s", exc)
+
+    headers = {**SSE_HEADERS, **exchange.response_headers(upstream)}
+    return UpstreamStreamResponse(events(), headers, on_close)
+
+
+async def _finish(gateway: Gateway, exchange: Exchange, answer: str | None, total_tokens: int) -> None:
+    if exchange.turn is not None and answer is not None:
+        await record_turn(gateway.store, exchange.turn, answer)
+    if exchange.key is not None:
+        await limits.add_tokens(gateway.store, exchange.key, total_tokens)
+
+
+def _outcome(status: int) -> str:
+    return SUCCESS if status < 400 else CLIENT_ERROR if status < 500 else BACKEND_ERROR
+
+
+def _header_session(request: Request) -> str | None:
+    # Namespaced like users and conversations, so a header can never claim a conversation's session.
+    value = request.headers.get(SESSION_HEADER)
+    return f"header:{value}" if value else None
+
+
+def _user_of(body: dict) -> str | None:
+    user = body.get("user")
+    return f"user:{user}" if isinstance(user, str) and user else None
+
+
+def _asked_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def _json_or_none(content: bytes) -> dict | None:
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _total_tokens(completion: dict | None) -> int:
+    usage = (completion or {}).get("usage")
+    return int(usage.get("total_tokens") or 0) if isinstance(usage, dict) else 0

@@ -1,0 +1,98 @@
+"""Opening a request on a backend, with retries: a connect error, a connection dropped before any response, or a
+503 (the engine's queue is full or it is shutting down) moves the request to another backend after a short
+backoff, the failed one excluded and its breaker told. Once a backend has sent its response headers the request
+is committed to it: nothing is retried after a stream began (its tokens already reached the client)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from kvserve.gateway.backends import Backend
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.routing import NoBackendAvailable, RouteDecision, Router
+
+# Errors that prove the backend did not start on the request (or never got it), so resending cannot duplicate.
+RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                    httpx.WriteError, httpx.PoolTimeout)
+RETRYABLE_STATUSES = (503,)
+
+
+class UpstreamFailed(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class RetryPolicy:
+    max_attempts: int = 3
+    backoff_s: float = 0.05  # doubled per attempt
+
+    def delay_s(self, attempt: int) -> float:
+        return self.backoff_s * 2 ** (attempt - 1) if attempt else 0.0
+
+
+@dataclass(slots=True)
+class Upstream:
+    decision: RouteDecision
+    response: httpx.Response  # headers read; the body not yet
+
+    @property
+    def backend(self) -> Backend:
+        return self.decision.backend
+
+    async def close(self) -> None:
+        # Closing a partly read response drops its connection: the backend sees its client leave and aborts.
+        await self.response.aclose()
+        self.backend.in_flight -= 1
+
+
+async def open_upstream(http: httpx.AsyncClient, router: Router, metrics: GatewayMetrics, policy: RetryPolicy,
+                        path: str, content: bytes, headers: dict[str, str], session_id: str | None,
+                        block_hashes: list[str]) -> Upstream:
+    tried: set[str] = set()
+    last_failure = "no attempt made"
+    for attempt in range(policy.max_attempts):
+        await asyncio.sleep(policy.delay_s(attempt))
+        try:
+            decision = await router.route(session_id, block_hashes, tried)
+        except NoBackendAvailable as exc:
+            raise UpstreamFailed(f"{exc}; last failure: {last_failure}" if tried else str(exc)) from None
+        metrics.routing.labels(decision.reason).inc()
+        upstream = await _attempt(http, decision, metrics, path, content, headers)
+        if isinstance(upstream, Upstream):
+            router.record(decision, block_hashes)
+            return upstream
+        last_failure = upstream
+        tried.add(decision.backend.url)
+        metrics.retries.labels(decision.backend.url).inc()
+    raise UpstreamFailed(f"{policy.max_attempts} attempts failed; last: {last_failure}")
+
+
+async def _attempt(http: httpx.AsyncClient, decision: RouteDecision, metrics: GatewayMetrics, path: str,
+                   content: bytes, headers: dict[str, str]) -> Upstream | str:
+    """An open Upstream, or why this backend failed."""
+    backend = decision.backend
+    backend.breaker.on_attempt()
+    backend.in_flight += 1
+    started = time.perf_counter()
+    try:
+        request = http.build_request("POST", backend.url + path, content=content, headers=headers)
+        response = await http.send(request, stream=True)
+    except RETRYABLE_ERRORS as exc:
+        backend.in_flight -= 1
+        backend.breaker.on_failure()
+        return f"{backend.url}: {type(exc).__name__}"
+    except BaseException:
+        backend.in_flight -= 1
+        raise
+    metrics.upstream_latency.labels(backend.url).observe(time.perf_counter() - started)
+    if response.status_code in RETRYABLE_STATUSES:
+        await response.aclose()
+        backend.in_flight -= 1
+        backend.breaker.on_failure()
+        return f"{backend.url}: HTTP {response.status_code}"
+    backend.breaker.on_success()
+    return Upstream(decision, response)

@@ -1,0 +1,131 @@
+"""Which backend serves a request, and why.
+
+- A request with a session follows the session's backend (reason `session`) while it is up and not saturated.
+  A new session is placed by consistent hashing with bounded load (`session_new` on its ring owner,
+  `bounded` when the owner is over its share and the session goes further round the ring); a session whose
+  backend is down, refused it, or is saturated while another is not, moves (`failover`) and stays moved.
+- A request without a session goes where the longest run of its prompt's leading blocks was last served
+  (`prefix`), else to the least-loaded backend (`load`).
+- `round_robin` ignores all of it: the baseline the benchmark compares against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from kvserve.gateway.backends import Backend
+from kvserve.gateway.hashring import HashRing, bounded_owner
+from kvserve.gateway.prefix import longest_match
+from kvserve.gateway.recent import RecentWrites
+from kvserve.gateway.store import Store, spawn
+
+SESSION, SESSION_NEW, BOUNDED, PREFIX, LOAD, FAILOVER, ROUND_ROBIN = (
+    "session", "session_new", "bounded", "prefix", "load", "failover", "round_robin")
+POLICIES = ("session", "round-robin")
+
+
+class NoBackendAvailable(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class RoutingConfig:
+    policy: str = "session"
+    # A backend's share of live sessions, as a multiple of the mean (Mirrokni et al.'s c; they use 1.25 to move
+    # fewer keys when the set changes). The session map is stored, so placed sessions never move with it and
+    # the bound only decides where new ones go: 1.0 keeps backends' session counts within one of each other.
+    load_factor: float = 1.0
+    saturation_waiting: float = 5.0  # llm-d: saturated at 5 waiting requests ...
+    saturation_kv_usage: float = 0.8  # ... or 80% KV usage
+    min_prefix_blocks: int = 1
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    backend: Backend
+    reason: str
+
+
+class Router:
+    def __init__(self, backends: list[Backend], store: Store, config: RoutingConfig) -> None:
+        self.backends = backends
+        self.by_url = {b.url: b for b in backends}
+        self.store = store
+        self.config = config
+        self.ring = HashRing([b.url for b in backends])
+        self._round_robin = itertools.cycle(range(len(backends)))
+        self.recent_prefixes = RecentWrites()
+        self._placement_lock = asyncio.Lock()
+
+    async def route(self, session_id: str | None, block_hashes: list[str], exclude: set[str]) -> RouteDecision:
+        candidates = [b for b in self.backends if b.available() and b.url not in exclude]
+        if not candidates:
+            raise NoBackendAvailable(self._why_none(exclude))
+        if self.config.policy == "round-robin":
+            return RouteDecision(self._next_round_robin(candidates), ROUND_ROBIN)
+        if session_id is not None:
+            return await self._route_session(session_id, candidates)
+        return await self._route_prefix_or_load(block_hashes, candidates)
+
+    def record(self, decision: RouteDecision, block_hashes: list[str]) -> None:
+        """The prefix index learns from every decision: the blocks are now in that backend's cache. Written in
+        the background: the request need not wait for it (a request racing it routes by load instead)."""
+        # The last hash names the whole chain: the same chain to the same backend a moment ago is the same write.
+        if block_hashes and self.recent_prefixes.due(block_hashes[-1], decision.backend.url):
+            spawn(self.store.prefix_record(block_hashes, decision.backend.url))
+
+    async def _route_session(self, session_id: str, candidates: list[Backend]) -> RouteDecision:
+        current_url = await self.store.get_session(session_id)
+        current = next((b for b in candidates if b.url == current_url), None)
+        if current is not None and not (self._saturated(current) and self._unsaturated(candidates)):
+            return RouteDecision(current, SESSION)
+        # One placement at a time in this process: sessions arriving together would otherwise all read the
+        # same counts and crowd onto one backend. (Replicas may still race; placements are once per session.)
+        async with self._placement_lock:
+            placed_meanwhile = await self.store.get_session(session_id)
+            if placed_meanwhile != current_url:  # a concurrent request of this session placed it
+                backend = next((b for b in candidates if b.url == placed_meanwhile), None)
+                if backend is not None:
+                    return RouteDecision(backend, SESSION)
+            return await self._place(session_id, current_url, candidates)
+
+    async def _place(self, session_id: str, current_url: str | None, candidates: list[Backend]) -> RouteDecision:
+        # Placing or moving: only unsaturated backends, unless every one is.
+        eligible = self._unsaturated(candidates) or candidates
+        counts = await self.store.session_counts()
+        eligible_urls = [b.url for b in eligible]
+        chosen_url = bounded_owner(self.ring, session_id, counts, eligible_urls, self.config.load_factor)
+        await self.store.set_session(session_id, chosen_url, current_url)
+        if current_url is not None:
+            reason = FAILOVER
+        else:
+            owner = next(url for url in self.ring.walk(session_id) if url in eligible_urls)
+            reason = SESSION_NEW if chosen_url == owner else BOUNDED
+        return RouteDecision(self.by_url[chosen_url], reason)
+
+    async def _route_prefix_or_load(self, block_hashes: list[str], candidates: list[Backend]) -> RouteDecision:
+        backend_url, depth = longest_match(await self.store.prefix_lookup(block_hashes))
+        match = next((b for b in candidates if b.url == backend_url), None)
+        if match is not None and depth >= self.config.min_prefix_blocks and not self._saturated(match):
+            return RouteDecision(match, PREFIX)
+        return RouteDecision(min(candidates, key=Backend.load_score), LOAD)
+
+    def _saturated(self, backend: Backend) -> bool:
+        return backend.saturation(self.config.saturation_waiting, self.config.saturation_kv_usage) >= 1.0
+
+    def _unsaturated(self, candidates: list[Backend]) -> list[Backend]:
+        return [b for b in candidates if not self._saturated(b)]
+
+    def _next_round_robin(self, candidates: list[Backend]) -> Backend:
+        for _ in range(len(self.backends)):
+            backend = self.backends[next(self._round_robin)]
+            if backend in candidates:
+                return backend
+        return candidates[0]
+
+    def _why_none(self, exclude: set[str]) -> str:
+        states = [f"{b.url}: {'tried' if b.url in exclude else 'down' if not b.healthy else 'breaker ' + b.breaker.state}"
+                  for b in self.backends]
+        return "no backend is available (" + "; ".join(states) + ")"

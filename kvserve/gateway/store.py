@@ -1,0 +1,338 @@
+"""The gateway's shared state behind one interface: Redis when `--redis-url` is given (so replicas route alike),
+an embedded SQLite file otherwise (so a restart keeps it). Nothing routing depends on lives only in memory.
+
+What is stored:
+- sessions: session id -> backend URL, with a last-seen time; a session unseen for `session_ttl_s` is forgotten
+  and no longer counts toward its backend's share;
+- the prefix index: prompt-block hash -> the backend that last served a prompt starting with that block chain;
+- conversations: the messages of each conversation, in order, bounded in length, expiring after a TTL;
+- counters: rate-limit windows (they expire with their window);
+- API keys: salted hashes and limits, never the key itself.
+
+Every method is async so the Redis store never blocks the event loop; the SQLite one runs its statements
+inline (a local file, microseconds per statement) under a lock, which keeps one code path for both.
+Failures of the store raise `StoreUnavailable`, which the app answers with a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from kvserve.gateway.recent import RecentWrites
+
+PREFIX = "kvgw:"
+
+logger = logging.getLogger("kvserve.gateway")
+
+
+class StoreUnavailable(Exception):
+    pass
+
+
+class Store(Protocol):
+    async def ping(self) -> None: ...
+    async def get_session(self, session_id: str) -> str | None: ...
+    async def set_session(self, session_id: str, backend: str, previous: str | None) -> None: ...
+    async def session_counts(self) -> dict[str, int]: ...
+    async def prefix_lookup(self, block_hashes: list[str]) -> list[str | None]: ...
+    async def prefix_record(self, block_hashes: list[str], backend: str) -> None: ...
+    async def conversation_load(self, conversation_id: str) -> list[dict]: ...
+    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None: ...
+    async def counter_add(self, name: str, amount: int, ttl_s: int) -> int: ...
+    async def counter_get(self, name: str) -> int: ...
+    async def key_put(self, key_id: str, record: dict) -> None: ...
+    async def key_get(self, key_id: str) -> dict | None: ...
+    async def key_list(self) -> list[dict]: ...
+    async def close(self) -> None: ...
+
+
+class StoreLimits:
+    """TTLs and bounds shared by both stores."""
+
+    __slots__ = ("session_ttl_s", "prefix_ttl_s", "conversation_ttl_s", "conversation_max_messages")
+
+    def __init__(self, session_ttl_s: int = 86400, prefix_ttl_s: int = 3600, conversation_ttl_s: int = 86400,
+                 conversation_max_messages: int = 256) -> None:
+        self.session_ttl_s = session_ttl_s
+        self.prefix_ttl_s = prefix_ttl_s
+        self.conversation_ttl_s = conversation_ttl_s
+        self.conversation_max_messages = conversation_max_messages
+
+
+def open_store(redis_url: str | None, state_path: str, limits: StoreLimits | None = None) -> Store:
+    limits = limits or StoreLimits()
+    if redis_url:
+        return RedisStore(redis_url, limits)
+    return SQLiteStore(state_path, limits)
+
+
+class RedisStore:
+    def __init__(self, url: str, limits: StoreLimits) -> None:
+        import redis.asyncio as redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.url = url
+        self.limits = limits
+        self.recent = RecentWrites()
+        # Short timeouts and one retry: a dead Redis must become a prompt 503, never a hung request.
+        self.redis = redis.Redis.from_url(url, decode_responses=True, socket_timeout=1.0,
+                                          socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 1),
+                                          health_check_interval=0)
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+    async def _call(self, coroutine):
+        try:
+            return await coroutine
+        except self._errors as exc:
+            raise StoreUnavailable(f"Redis at {_redacted(self.url)} is unavailable ({type(exc).__name__})") from None
+
+    async def ping(self) -> None:
+        await self._call(self.redis.ping())
+
+    async def get_session(self, session_id: str) -> str | None:
+        backend = await self._call(self.redis.get(f"{PREFIX}session:{session_id}"))
+        if backend is not None and self.recent.due(session_id, backend):
+            # Refreshing the TTL and last-seen time changes no routing decision: off the request's path, and
+            # once a minute per session is plenty for a TTL of hours.
+            spawn(self._refresh_session(session_id, backend))
+        return backend
+
+    async def _refresh_session(self, session_id: str, backend: str) -> None:
+        # Never rewrites the mapping (a move may land first): EXPIRE, and XX updates only a member still there.
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.expire(f"{PREFIX}session:{session_id}", self.limits.session_ttl_s)
+        pipe.zadd(f"{PREFIX}backend_sessions:{backend}", {session_id: time.time()}, xx=True)
+        await self._call(pipe.execute())
+
+    async def set_session(self, session_id: str, backend: str, previous: str | None) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(f"{PREFIX}session:{session_id}", backend, ex=self.limits.session_ttl_s)
+        pipe.zadd(f"{PREFIX}backend_sessions:{backend}", {session_id: time.time()})
+        pipe.sadd(f"{PREFIX}backends", backend)
+        if previous is not None and previous != backend:
+            pipe.zrem(f"{PREFIX}backend_sessions:{previous}", session_id)
+        await self._call(pipe.execute())
+
+    async def session_counts(self) -> dict[str, int]:
+        backends = await self._call(self.redis.smembers(f"{PREFIX}backends"))
+        oldest = time.time() - self.limits.session_ttl_s
+        pipe = self.redis.pipeline(transaction=False)
+        for backend in sorted(backends):
+            pipe.zremrangebyscore(f"{PREFIX}backend_sessions:{backend}", "-inf", oldest)
+            pipe.zcard(f"{PREFIX}backend_sessions:{backend}")
+        results = await self._call(pipe.execute())
+        return {backend: int(count) for backend, count in zip(sorted(backends), results[1::2])}
+
+    async def prefix_lookup(self, block_hashes: list[str]) -> list[str | None]:
+        if not block_hashes:
+            return []
+        return await self._call(self.redis.mget([f"{PREFIX}prefix:{h}" for h in block_hashes]))
+
+    async def prefix_record(self, block_hashes: list[str], backend: str) -> None:
+        if not block_hashes:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for block_hash in block_hashes:
+            pipe.set(f"{PREFIX}prefix:{block_hash}", backend, ex=self.limits.prefix_ttl_s)
+        await self._call(pipe.execute())
+
+    async def conversation_load(self, conversation_id: str) -> list[dict]:
+        items = await self._call(self.redis.lrange(f"{PREFIX}conversation:{conversation_id}", 0, -1))
+        return [json.loads(item) for item in items]
+
+    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None:
+        key = f"{PREFIX}conversation:{conversation_id}"
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.rpush(key, *[json.dumps(m, ensure_ascii=False) for m in messages])
+        pipe.ltrim(key, -self.limits.conversation_max_messages, -1)
+        pipe.expire(key, self.limits.conversation_ttl_s)
+        await self._call(pipe.execute())
+
+    async def counter_add(self, name: str, amount: int, ttl_s: int) -> int:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.incrby(f"{PREFIX}counter:{name}", amount)
+        pipe.expire(f"{PREFIX}counter:{name}", ttl_s)
+        value, _ = await self._call(pipe.execute())
+        return int(value)
+
+    async def counter_get(self, name: str) -> int:
+        value = await self._call(self.redis.get(f"{PREFIX}counter:{name}"))
+        return int(value or 0)
+
+    async def key_put(self, key_id: str, record: dict) -> None:
+        await self._call(self.redis.hset(f"{PREFIX}keys", key_id, json.dumps(record)))
+
+    async def key_get(self, key_id: str) -> dict | None:
+        body = await self._call(self.redis.hget(f"{PREFIX}keys", key_id))
+        return None if body is None else json.loads(body)
+
+    async def key_list(self) -> list[dict]:
+        bodies = await self._call(self.redis.hvals(f"{PREFIX}keys"))
+        return sorted((json.loads(b) for b in bodies), key=lambda r: r["created_at"])
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, backend TEXT NOT NULL, seen REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS sessions_by_backend ON sessions (backend, seen);
+CREATE TABLE IF NOT EXISTS prefixes (block_hash TEXT PRIMARY KEY, backend TEXT NOT NULL, seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS messages (conversation_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
+                                     seen REAL NOT NULL, PRIMARY KEY (conversation_id, seq));
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL, expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (key_id TEXT PRIMARY KEY, body TEXT NOT NULL);
+"""
+
+
+class SQLiteStore:
+    def __init__(self, path: str, limits: StoreLimits) -> None:
+        self.path = path
+        self.limits = limits
+        Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        try:
+            # Autocommit, WAL and a busy timeout: several gateway processes may share one file.
+            self.db = sqlite3.connect(Path(path).expanduser(), isolation_level=None, check_same_thread=False,
+                                      timeout=5.0)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            # No fsync per commit (WAL makes that safe against corruption): a commit costs microseconds, not a
+            # millisecond, on every request; a power cut may lose the last moments of routing state, never the file.
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.executescript(SCHEMA)
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"state file {path}: {exc}") from None
+        self.lock = threading.Lock()
+
+    def _run(self, sql: str, params: tuple = (), many: list[tuple] | None = None) -> list[tuple]:
+        with self.lock:
+            try:
+                if many is not None:
+                    self.db.executemany(sql, many)
+                    return []
+                return self.db.execute(sql, params).fetchall()
+            except sqlite3.Error as exc:
+                raise StoreUnavailable(f"state file {self.path}: {exc}") from None
+
+    async def ping(self) -> None:
+        self._run("SELECT 1")
+
+    async def get_session(self, session_id: str) -> str | None:
+        now = time.time()
+        rows = self._run("SELECT backend FROM sessions WHERE session_id = ? AND seen > ?",
+                         (session_id, now - self.limits.session_ttl_s))
+        if not rows:
+            return None
+        self._run("UPDATE sessions SET seen = ? WHERE session_id = ?", (now, session_id))
+        return rows[0][0]
+
+    async def set_session(self, session_id: str, backend: str, previous: str | None) -> None:
+        self._run("INSERT INTO sessions VALUES (?, ?, ?) ON CONFLICT (session_id) DO UPDATE "
+                  "SET backend = excluded.backend, seen = excluded.seen", (session_id, backend, time.time()))
+
+    async def session_counts(self) -> dict[str, int]:
+        rows = self._run("SELECT backend, count(*) FROM sessions WHERE seen > ? GROUP BY backend",
+                         (time.time() - self.limits.session_ttl_s,))
+        return {backend: count for backend, count in rows}
+
+    async def prefix_lookup(self, block_hashes: list[str]) -> list[str | None]:
+        if not block_hashes:
+            return []
+        marks = ",".join("?" * len(block_hashes))
+        rows = self._run(f"SELECT block_hash, backend FROM prefixes WHERE block_hash IN ({marks}) AND seen > ?",
+                         (*block_hashes, time.time() - self.limits.prefix_ttl_s))
+        found = dict(rows)
+        return [found.get(h) for h in block_hashes]
+
+    async def prefix_record(self, block_hashes: list[str], backend: str) -> None:
+        now = time.time()
+        self._run("INSERT OR REPLACE INTO prefixes VALUES (?, ?, ?)", many=[(h, backend, now) for h in block_hashes])
+
+    async def conversation_load(self, conversation_id: str) -> list[dict]:
+        rows = self._run("SELECT body FROM messages WHERE conversation_id = ? AND seen > ? ORDER BY seq",
+                         (conversation_id, time.time() - self.limits.conversation_ttl_s))
+        return [json.loads(body) for (body,) in rows]
+
+    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None:
+        now = time.time()
+        with self.lock:
+            try:
+                self.db.execute("BEGIN IMMEDIATE")
+                (last,) = self.db.execute("SELECT coalesce(max(seq), -1) FROM messages WHERE conversation_id = ?",
+                                          (conversation_id,)).fetchone()
+                rows = [(conversation_id, last + 1 + i, json.dumps(m, ensure_ascii=False), now)
+                        for i, m in enumerate(messages)]
+                self.db.executemany("INSERT INTO messages VALUES (?, ?, ?, ?)", rows)
+                newest = last + len(messages)
+                self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND seq <= ?",
+                                (conversation_id, newest - self.limits.conversation_max_messages))
+                # The TTL runs from the last turn, as Redis's EXPIRE on every append does.
+                self.db.execute("UPDATE messages SET seen = ? WHERE conversation_id = ?", (now, conversation_id))
+                self.db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self.db.execute("ROLLBACK")
+                raise StoreUnavailable(f"state file {self.path}: {exc}") from None
+
+    async def counter_add(self, name: str, amount: int, ttl_s: int) -> int:
+        now = time.time()
+        self._run("DELETE FROM counters WHERE name = ? AND expires <= ?", (name, now))
+        rows = self._run("INSERT INTO counters VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE "
+                         "SET value = value + excluded.value RETURNING value", (name, amount, now + ttl_s))
+        return int(rows[0][0])
+
+    async def counter_get(self, name: str) -> int:
+        rows = self._run("SELECT value FROM counters WHERE name = ? AND expires > ?", (name, time.time()))
+        return int(rows[0][0]) if rows else 0
+
+    async def key_put(self, key_id: str, record: dict) -> None:
+        self._run("INSERT OR REPLACE INTO api_keys VALUES (?, ?)", (key_id, json.dumps(record)))
+
+    async def key_get(self, key_id: str) -> dict | None:
+        rows = self._run("SELECT body FROM api_keys WHERE key_id = ?", (key_id,))
+        return json.loads(rows[0][0]) if rows else None
+
+    async def key_list(self) -> list[dict]:
+        rows = self._run("SELECT body FROM api_keys")
+        return sorted((json.loads(body) for (body,) in rows), key=lambda r: r["created_at"])
+
+    async def close(self) -> None:
+        with self.lock:
+            self.db.close()
+
+
+_background: set[asyncio.Task] = set()
+
+
+def spawn(coroutine) -> None:
+    """Runs a store write that no answer waits for; a failure is logged (the next request retries it)."""
+    task = asyncio.get_running_loop().create_task(_logged(coroutine))
+    _background.add(task)  # the loop keeps only weak references to tasks
+    task.add_done_callback(_background.discard)
+
+
+async def _logged(coroutine) -> None:
+    try:
+        await coroutine
+    except Exception as exc:  # noqa: BLE001 - nobody awaits this task; say what failed and go on
+        logger.warning("background store write failed: %s", exc)
+
+
+async def drain_background() -> None:
+    """Waits for the background writes (before the store closes)."""
+    while _background:
+        await asyncio.gather(*list(_background), return_exceptions=True)
+
+
+def _redacted(url: str) -> str:
+    # redis://user:password@host -> redis://***@host: the 503 message must not leak Redis's password.
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest

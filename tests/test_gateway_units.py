@@ -1,0 +1,203 @@
+"""The gateway's pure parts: the ring and its bound, prompt-block hashes, the breaker, SSE event splitting and
+reading, key hashing and the rate-limit windows over the SQLite store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from kvserve.gateway.backends import BadBackendURL, normalize_backend_url
+from kvserve.gateway.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvserve.gateway.hashring import HashRing, bounded_owner, share_capacity
+from kvserve.gateway.keys import create_key, hash_key, key_id_of, verify_key
+from kvserve.gateway.limits import admit, add_tokens
+from kvserve.gateway.prefix import longest_match, prefix_block_hashes
+from kvserve.gateway.store import SQLiteStore, StoreLimits
+from kvserve.gateway.stream import StreamTap, sse_events
+
+NODES = [f"http://10.0.0.{i}:8000" for i in range(4)]
+
+
+def test_ring_owner_is_stable_and_losing_a_node_moves_only_its_keys():
+    ring, smaller = HashRing(NODES), HashRing(NODES[:3])
+    keys = [f"session-{i}" for i in range(2000)]
+    owners = {key: ring.owner(key) for key in keys}
+    assert owners == {key: HashRing(list(reversed(NODES))).owner(key) for key in keys}  # order does not matter
+    assert all(smaller.owner(k) == owner for k, owner in owners.items() if owner != NODES[3])
+    counts = [list(owners.values()).count(node) for node in NODES]
+    assert min(counts) > 2000 / 4 * 0.6  # 64 virtual nodes each: no node owns a sliver
+
+
+def test_bounded_placement_keeps_every_backend_within_its_share():
+    ring, counts = HashRing(NODES), dict.fromkeys(NODES, 0)
+    for index in range(1000):
+        capacity = share_capacity(counts, NODES, 1.25)
+        chosen = bounded_owner(ring, f"s{index}", counts, NODES, 1.25)
+        counts[chosen] += 1
+        assert counts[chosen] <= capacity
+    assert max(counts.values()) <= 1.25 * 1000 / 4 + 1
+
+
+def test_bounded_placement_skips_full_and_ineligible_backends():
+    ring = HashRing(NODES)
+    key = "one-session"
+    owner, second = list(ring.walk(key))[:2]
+    assert bounded_owner(ring, key, {owner: 10}, NODES, 1.0) == second  # owner over its share
+    eligible = [n for n in NODES if n != owner]
+    assert bounded_owner(ring, key, {}, eligible, 1.25) == second  # owner down
+
+
+def test_prompt_block_hashes_chain_over_shared_prefixes():
+    def body(*contents):
+        return {"model": "m", "messages": [{"role": "user", "content": c} for c in contents]}
+
+    first = prefix_block_hashes(body("a" * 100), block_chars=16)
+    longer = prefix_block_hashes(body("a" * 100, "b" * 50), block_chars=16)
+    assert len(first) == len(json.dumps(["user", "a" * 100], separators=(",", ":"))) // 16
+    assert longer[: len(first)] == first and len(longer) > len(first)
+    assert prefix_block_hashes(body("c" + "a" * 99), block_chars=16)[0] != first[0]
+    assert prefix_block_hashes({**body("a" * 100), "model": "other"}, block_chars=16)[0] != first[0]
+    assert prefix_block_hashes({"model": "m", "prompt": "x" * 40}, block_chars=16) != []
+
+
+def test_longest_match_takes_the_deepest_unbroken_block():
+    assert longest_match(["a", "a", "b", None, "c"]) == ("b", 3)
+    assert longest_match([None, "a"]) == (None, 0)
+    assert longest_match([]) == (None, 0)
+
+
+def test_breaker_opens_after_failures_and_closes_after_a_good_trial():
+    now = [0.0]
+    breaker = CircuitBreaker(failure_threshold=3, open_s=30.0, clock=lambda: now[0])
+    for _ in range(2):
+        breaker.on_failure()
+    assert breaker.state == CLOSED and breaker.allows_request()
+    breaker.on_failure()
+    assert breaker.state == OPEN and not breaker.allows_request()
+    now[0] = 30.0
+    assert breaker.state == HALF_OPEN and breaker.allows_request()
+    breaker.on_attempt()
+    assert not breaker.allows_request()  # one trial at a time
+    breaker.on_failure()
+    assert breaker.state == OPEN  # a failed trial opens it again at once
+    now[0] = 60.0
+    breaker.on_attempt()
+    breaker.on_success()
+    assert breaker.state == CLOSED and breaker.consecutive_failures == 0
+
+
+@pytest.mark.parametrize("url, normal", [
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8000"), ("http://h:8000/v1/", "http://h:8000"),
+    ("https://engine.internal", "https://engine.internal"),
+])
+def test_backend_urls_are_normalized(url, normal):
+    assert normalize_backend_url(url) == normal
+
+
+@pytest.mark.parametrize("url", ["localhost:8000", "ftp://h", "http://", "http://h:99999", "http://h/api"])
+def test_bad_backend_urls_are_refused(url):
+    with pytest.raises(BadBackendURL):
+        normalize_backend_url(url)
+
+
+def test_sse_events_are_whole_whatever_the_chunking():
+    stream = b'data: {"a": 1}\n\ndata: {"b": 2}\r\n\r\ndata: [DONE]\n\n'
+
+    async def split(size):
+        async def chunks():
+            for start in range(0, len(stream), size):
+                yield stream[start:start + size]
+        return [event async for event in sse_events(chunks())]
+
+    for size in (1, 3, 7, len(stream)):
+        assert asyncio.run(split(size)) == [b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"]
+
+
+def test_stream_tap_reads_text_usage_and_withholds_only_the_usage_it_asked_for():
+    tap = StreamTap(drop_usage_event=True)
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              {"choices": [{"index": 0, "delta": {"content": "Hel"}}, {"index": 1, "delta": {"content": "x"}}]},
+              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}]
+    shown = [tap.read(f"data: {json.dumps(e)}\n\n".encode()) for e in events]
+    assert shown == [True, True, True, False]
+    assert not tap.done and tap.read(b"data: [DONE]\n\n") and tap.done
+    assert (tap.text, tap.total_tokens) == ("Hello", 7)
+    completion_tap = StreamTap()
+    assert completion_tap.read(b'data: {"choices": [{"index": 0, "text": "abc"}], "usage": {"total_tokens": 3}}\n\n')
+    assert completion_tap.text == "abc"
+
+
+@pytest.fixture()
+def store(tmp_path):
+    sqlite = SQLiteStore(str(tmp_path / "state.sqlite3"), StoreLimits(conversation_max_messages=4))
+    yield sqlite
+    asyncio.run(sqlite.close())
+
+
+def test_keys_are_salted_hashes_and_verify_only_themselves(store):
+    async def scenario():
+        key, record = await create_key(store, "k")
+        other, other_record = await create_key(store, "k")
+        assert key_id_of(key) == record.key_id and record.salt != other_record.salt
+        assert record.key_hash == hash_key(record.salt, key) and key not in json.dumps(await store.key_list())
+        assert (await verify_key(store, key)).key_id == record.key_id
+        assert await verify_key(store, key[:-1] + ("A" if key[-1] != "A" else "B")) is None
+        assert await verify_key(store, other.replace(other_record.key_id, record.key_id)) is None  # mixed up
+        assert await verify_key(store, "kvgw-nope") is None
+
+    asyncio.run(scenario())
+
+
+def test_rate_windows_count_requests_and_tokens_per_minute(store):
+    async def scenario():
+        _, key = await create_key(store, "limited", requests_per_minute=2, tokens_per_minute=100)
+        start = 6000.0  # the start of a window
+        first = await admit(store, key, now=start)
+        second = await admit(store, key, now=start + 1)
+        third = await admit(store, key, now=start + 2)
+        assert (first.exceeded, second.exceeded, third.exceeded) == (None, None, "requests")
+        assert third.headers()["x-ratelimit-reset-requests"] == "58s"
+        assert (await admit(store, key, now=start + 60)).exceeded is None  # a new window
+        await add_tokens(store, key, 100, now=start + 61)
+        assert (await admit(store, key, now=start + 62)).exceeded == "tokens"
+
+    asyncio.run(scenario())
+
+
+def test_conversations_keep_order_and_their_bound(store):
+    async def scenario():
+        await store.conversation_append("c", [{"role": "user", "content": str(i)} for i in range(3)])
+        await store.conversation_append("c", [{"role": "user", "content": "3"}, {"role": "user", "content": "4"}])
+        return [m["content"] for m in await store.conversation_load("c")]
+
+    assert asyncio.run(scenario()) == ["1", "2", "3", "4"]
+
+
+def test_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):
+    from kvserve.cli import build_parser
+    from kvserve.gateway.cli import settings_from_args
+
+    config = tmp_path / "gateway.yaml"
+    config.write_text("backend: [http://a:8000, http://b:8000/v1]\nrouting: round-robin\nload_factor: 1.5\n"
+                      "redis-url: redis://r:6379/0\n")
+    args = build_parser().parse_args(["gateway", "--config", str(config), "--load-factor", "2",
+                                      "--max-attempts", "5", "--breaker-failures", "7"])
+    settings = settings_from_args(args)
+    assert settings.backends == ["http://a:8000", "http://b:8000"]
+    assert (settings.retry.max_attempts, settings.breaker_failures, settings.require_api_key) == (5, 7, True)
+    assert (settings.routing.policy, settings.routing.load_factor, settings.redis_url) == (
+        "round-robin", 2.0, "redis://r:6379/0")
+
+
+def test_recent_writes_skip_only_the_same_write_within_the_interval():
+    from kvserve.gateway.recent import RecentWrites
+
+    now = [0.0]
+    recent = RecentWrites(interval_s=60.0, clock=lambda: now[0])
+    assert recent.due("s", "a") and not recent.due("s", "a")
+    assert recent.due("s", "b")  # a moved session is a new write
+    now[0] = 61.0
+    assert recent.due("s", "a")
