@@ -56,8 +56,15 @@ def main() -> None:
     parser.add_argument("--pool-gib", type=float, default=0.25, help="--kv-cache-memory for the capacity runs")
     parser.add_argument("--long-requests", type=int, default=12)
     parser.add_argument("--mixed-requests", type=int, default=128)
+    parser.add_argument("--skip-capacity", action="store_true", help="only the speed runs")
     args = parser.parse_args()
     print(f"CPU family {selected_isa().label}; pool {args.pool_gib:g} GiB for capacity")
+    if not args.skip_capacity:
+        capacity(args)
+    speed(args)
+
+
+def capacity(args: argparse.Namespace) -> None:
     print(f"{'KV dtype':10} {'B/token':>8} {'tokens':>8} {'x bf16':>7} {'peak running':>13} {'x bf16':>7} "
           f"{'preemptions':>12} {'seconds':>8}")
     base_tokens = base_peak = None
@@ -70,6 +77,9 @@ def main() -> None:
         print(f"{name:10} {pool.block_bytes // pool.block_size:8,} {pool.num_tokens:8,} "
               f"{pool.num_tokens / base_tokens:7.2f} {peak:13} {peak / base_peak:7.2f} {preemptions:12} {seconds:8.1f}")
         del llm
+
+
+def speed(args: argparse.Namespace) -> None:
     print(f"\nworkload (b), {args.mixed_requests} requests, output tok/s")
     base = None
     for name in ("bfloat16", "int8", "int4"):

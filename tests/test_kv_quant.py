@@ -252,3 +252,26 @@ def test_checkpoint_kv_scales_are_used_for_fp8(tiny_model_dir, tmp_path):
            [(0.01, 0.02), (0.02, 0.04), (0.03, 0.06)]
     assert not any(c.calibrating for c in caches)  # the checkpoint's scales win over calibration
     assert _llm(scaled, "auto").engine.runner.kv_caches[0].key_tensor_scale is None  # ignored without fp8
+
+
+@FAMILIES
+@FORMATS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_fused_writer_stores_exactly_what_the_torch_encoders_store(isa, kv_dtype, dtype, head_dim):
+    """The CPU kernel that quantizes new K/V is bit-identical to kv_quant's encoders: a cache written by either
+    holds the same bytes, so prefix hits and the tiers never depend on which one wrote a block."""
+    from kvserve.model.cpu_kernels import quantized_writer
+
+    generator = torch.Generator().manual_seed(3)
+    fused, reference = (allocate_kv_storage(1, 8, 16, 3, head_dim, dtype, "cpu", kv_dtype)[0] for _ in range(2))
+    fused.encoder = quantized_writer(kernels_for(isa), fused)
+    qkv = (torch.randn(50, 9 * head_dim, generator=generator) * 3).to(dtype)
+    qkv[3] = 0  # an all-zero row
+    qkv[4, :head_dim] = 1e6  # beyond fp8's range: saturates
+    key, value = qkv[:, : 3 * head_dim].view(50, 3, head_dim), qkv[:, 3 * head_dim: 6 * head_dim].view(50, 3, head_dim)
+    slots = torch.randperm(128, generator=generator)[:50]
+    fused.write(slots, key, value)
+    reference.write(slots, key, value)
+    for got, expected in zip(fused.tensors(), reference.tensors()):
+        assert torch.equal(got, expected)

@@ -16,7 +16,8 @@ The formats and their byte counts are the planner's (planner/kv.py, `KVFormat`);
   (q.k is unchanged) and rotates its output back (the output is a sum of rotated values).
 
 Scales are rounded to their stored form before the data is quantized with them, so what is decoded is what was
-encoded.
+encoded; the data is multiplied by the scale's reciprocal (as the CPU kernel that writes new K/V does, which
+is bit-identical to these encoders).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvserve.planner.kv import INT4_GROUP_SIZE, kv_format, kv_scales_per_vector
 QUANTIZED_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 SCALE_DTYPE = torch.float16
-_TINY = 1e-8  # a zero vector still gets a positive scale
+FP16_MIN_NORMAL, FP16_MAX = 2.0**-14, 65504.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +96,7 @@ def encode_fp8(x: torch.Tensor, fp8: torch.dtype, tensor_scale: torch.Tensor | N
     limit = torch.finfo(fp8).max
     scaled = x.to(torch.float32)
     if tensor_scale is not None:
-        scaled = scaled / tensor_scale
+        scaled = scaled * (1 / tensor_scale)
     return scaled.clamp(-limit, limit).to(fp8).view(torch.uint8)
 
 
@@ -108,9 +109,10 @@ def decode_fp8(data: torch.Tensor, fp8: torch.dtype, tensor_scale: torch.Tensor 
 
 
 def _symmetric_scales(groups: torch.Tensor, max_code: int) -> torch.Tensor:
-    """fp16 scales of groups [..., n] (absmax / max_code, rounded to fp16, never zero) as [..., 1] fp32."""
+    """fp16 scales of groups [..., n] (absmax / max_code, within fp16's normal range, rounded to fp16) as
+    [..., 1] fp32: a zero group still gets a positive scale, a huge one a finite one (its values then clip)."""
     absmax = groups.abs().amax(dim=-1, keepdim=True)
-    return (absmax / max_code).clamp_min(_TINY).to(SCALE_DTYPE).to(torch.float32)
+    return (absmax / max_code).clamp_(FP16_MIN_NORMAL, FP16_MAX).to(SCALE_DTYPE).to(torch.float32)
 
 
 SCALE_EXPONENT_BIAS = 20  # scale byte: (e + 20) << 3 | m  means  2^e x (1 + m / 8), e in [-20, 11]
@@ -138,7 +140,7 @@ def decode_scale_byte(code: torch.Tensor) -> torch.Tensor:
 def encode_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.to(torch.float32)
     codes = encode_scale_byte(x.abs().amax(dim=-1, keepdim=True) / 127)
-    data = torch.round(x / decode_scale_byte(codes)).clamp_(-127, 127).to(torch.int8)
+    data = torch.round(x * (1 / decode_scale_byte(codes))).clamp_(-127, 127).to(torch.int8)
     return data, codes
 
 
@@ -155,7 +157,7 @@ def encode_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     head_dim = x.shape[-1]
     groups = _int4_groups(x.to(torch.float32))
     scales = _symmetric_scales(groups, 7)
-    codes = (torch.round(groups / scales).clamp_(-7, 7) + 8).to(torch.uint8).flatten(-2)[..., :head_dim]
+    codes = (torch.round(groups * (1 / scales)).clamp_(-7, 7) + 8).to(torch.uint8).flatten(-2)[..., :head_dim]
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, scales.squeeze(-1).to(SCALE_DTYPE)
 

@@ -9,6 +9,7 @@ pool and the runner see blocks, never formats.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,9 @@ class LayerKVCache:
     value_tensor_scale: torch.Tensor | None = None
     rotation: torch.Tensor | None = None  # [head_dim, head_dim] fp32 when the codec rotates (int4)
     calibrating: bool = False  # fp8 under --calculate-kv-scales: the first write sets the tensor scales
+    # A fused encoder for this device (the CPU kernels' write_quantized_kv), given by the model runner:
+    # fn(cache, slot_mapping, key, value), bit-identical to the codec's torch encoders; None: those run.
+    encoder: Callable | None = None
 
     @property
     def flat_key(self) -> torch.Tensor:
@@ -53,6 +57,9 @@ class LayerKVCache:
             return
         if self.calibrating:
             self._calibrate(key, value)
+        if self.encoder is not None:
+            self.encoder(self, slot_mapping, key, value)
+            return
         for data, scales, tensor_scale, x in ((self.key, self.key_scales, self.key_tensor_scale, key),
                                                (self.value, self.value_scales, self.value_tensor_scale, value)):
             encoded, encoded_scales = self.codec.encode(x, tensor_scale)

@@ -21,7 +21,8 @@ from kvserve.model.cpu_isa import CpuIsa, selected_isa
 logger = logging.getLogger("kvserve.model")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_fp32.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_fp32.cpp",
+                                    "kv_quantize.cpp")]
 
 
 def cpu_kernels(isa: CpuIsa | None = None):
@@ -70,6 +71,28 @@ def decode_kernel(kernels, dtype: torch.dtype, cache: LayerKVCache):
     return _unquantized(kernels.paged_decode_attention)
 
 
+def quantized_writer(kernels, cache: LayerKVCache):
+    """`fn(cache, slot_mapping, key, value)` writing new K/V into a quantized cache in one call (bit-identical to
+    kv_quant's torch encoders), or None: the torch encoders run."""
+    if kernels is None or not cache.quantized or cache.key.device.type != "cpu":
+        return None
+
+    def write(target: LayerKVCache, slot_mapping, key, value) -> None:
+        kernels.write_quantized_kv(key, value, slot_mapping, target.key, target.value, *_scale_args(target))
+
+    return write
+
+
+def _scale_args(cache: LayerKVCache) -> tuple:
+    """The cache's scales as the kernels take them: per-vector scales (or an empty tensor), per-tensor scales,
+    the format id."""
+    return (_NO_SCALES if cache.key_scales is None else cache.key_scales,
+            _NO_SCALES if cache.value_scales is None else cache.value_scales,
+            1.0 if cache.key_tensor_scale is None else float(cache.key_tensor_scale),
+            1.0 if cache.value_tensor_scale is None else float(cache.value_tensor_scale),
+            QUANTIZED_FORMAT_IDS[cache.codec.name])
+
+
 def _unquantized(kernel):
     def call(q, cache: LayerKVCache, *args):
         return kernel(q, cache.key, cache.value, *args)
@@ -81,12 +104,7 @@ _NO_SCALES = torch.empty(0, dtype=torch.float16)
 
 def _quantized(kernel):
     def call(q, cache: LayerKVCache, *args):
-        k_tensor_scale = 1.0 if cache.key_tensor_scale is None else float(cache.key_tensor_scale)
-        v_tensor_scale = 1.0 if cache.value_tensor_scale is None else float(cache.value_tensor_scale)
-        return kernel(q, cache.key, cache.value,
-                      _NO_SCALES if cache.key_scales is None else cache.key_scales,
-                      _NO_SCALES if cache.value_scales is None else cache.value_scales,
-                      k_tensor_scale, v_tensor_scale, QUANTIZED_FORMAT_IDS[cache.codec.name], *args)
+        return kernel(q, cache.key, cache.value, *_scale_args(cache), *args)
     return call
 
 

@@ -638,6 +638,11 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// kv_quantize.cpp
+void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_data,
+                        torch::Tensor v_data, torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
+                        double v_tensor_scale, int64_t format);
+
 // prefill_attention.cpp, prefill_attention_fp32.cpp
 void paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                   torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
@@ -673,6 +678,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp32 prefill attention over a paged fp8/int8/int4 KV cache (CPU, AVX2 or AVX-512)");
   m.def("paged_prefill_attention_bf16_quantized", &paged_prefill_attention_bf16_quantized,
         "bf16 prefill attention over a paged fp8/int8/int4 KV cache (CPU, AVX512-BF16)");
+  m.def("write_quantized_kv", &write_quantized_kv, "quantize new K/V rows into their slots of an fp8/int8/int4 cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm of the residual (CPU)");
   m.def("rotary_qk_", &rotary_qk_, "rotary embedding in place on q and k of a fused qkv tensor (CPU)");

@@ -1,0 +1,142 @@
+// Writing new K/V into a quantized cache in one call per layer (CPU): each (token, KV head) row is quantized
+// and stored at its slot, with its scales. Bit-identical to kvserve/cache/kv_quant.py's encoders (the same fp32
+// operations in the same order, round half to even, fp16 and fp8 conversions by c10's), which replace the
+// chain of ~25 torch ops per layer and step that the portable path runs. Both multiply by the scale's
+// reciprocal rather than divide: -ffast-math would turn a division into that anyway, in some loops and not
+// others, and values exactly between two codes would round differently.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kv_dequant.h"
+
+namespace {
+
+constexpr int kScaleMinExponent = -20, kScaleMaxExponent = 11, kScaleExponentBias = 20;
+
+// kv_quant.encode_scale_byte / decode_scale_byte for one value.
+inline uint8_t encode_scale_byte(float scale) {
+  int exponent = 0;
+  const float mantissa = std::frexp(std::max(scale, std::ldexp(1.f, kScaleMinExponent)), &exponent);
+  exponent -= 1;
+  float steps = std::ceil((mantissa * 2.f - 1.f) * 8.f);
+  if (steps == 8.f) {
+    exponent += 1;
+    steps = 0.f;
+  }
+  if (exponent > kScaleMaxExponent) {
+    exponent = kScaleMaxExponent;
+    steps = 7.f;
+  }
+  return static_cast<uint8_t>((exponent + kScaleExponentBias) * 8 + static_cast<int>(steps));
+}
+
+inline float decode_scale_byte(uint8_t code) {
+  return std::ldexp(1.f + static_cast<float>(code & 7) / 8.f, (code >> 3) - kScaleExponentBias);
+}
+
+inline float round_half_even(float x) { return std::nearbyint(x); }
+
+void quantize_int8(const float* x, int64_t dim, int8_t* out, uint8_t* scale_out) {
+  float absmax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(x[d]));
+  const uint8_t code = encode_scale_byte(absmax / 127.f);
+  const float inverse = 1.f / decode_scale_byte(code);
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<int8_t>(std::clamp(round_half_even(x[d] * inverse), -127.f, 127.f));
+  *scale_out = code;
+}
+
+void quantize_int4(const float* x, int64_t dim, uint8_t* out, at::Half* scales_out) {
+  const int64_t groups = (dim + kvq::kInt4Group - 1) / kvq::kInt4Group;
+  std::vector<uint8_t> codes(dim);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t begin = g * kvq::kInt4Group, end = std::min(dim, begin + kvq::kInt4Group);
+    float absmax = 0.f;  // a partial last group's zero padding does not change its absmax
+    for (int64_t d = begin; d < end; ++d) absmax = std::max(absmax, std::fabs(x[d]));
+    const at::Half stored(std::clamp(absmax / 7.f, 0x1p-14f, 65504.f));  // kv_quant._symmetric_scales
+    const float inverse = 1.f / static_cast<float>(stored);
+    for (int64_t d = begin; d < end; ++d)
+      codes[d] = static_cast<uint8_t>(std::clamp(round_half_even(x[d] * inverse), -7.f, 7.f) + 8.f);
+    scales_out[g] = stored;
+  }
+  for (int64_t i = 0; i < dim / 2; ++i) out[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
+}
+
+template <typename fp8_t>
+void quantize_fp8(const float* x, int64_t dim, float tensor_scale, uint8_t* out) {
+  const float limit = static_cast<float>(std::numeric_limits<fp8_t>::max());
+  const float inverse = 1.f / tensor_scale;
+  for (int64_t d = 0; d < dim; ++d) {
+    const fp8_t value(std::clamp(x[d] * inverse, -limit, limit));
+    out[d] = value.x;
+  }
+}
+
+struct Target {
+  uint8_t* data;
+  void* scales;
+  float tensor_scale;
+};
+
+void quantize_row(const float* x, int64_t dim, int64_t format, int64_t row, const Target& target) {
+  switch (format) {
+    case kvq::kInt8:
+      return quantize_int8(x, dim, reinterpret_cast<int8_t*>(target.data) + row * dim,
+                           static_cast<uint8_t*>(target.scales) + row);
+    case kvq::kInt4: {
+      const int64_t groups = (dim + kvq::kInt4Group - 1) / kvq::kInt4Group;
+      return quantize_int4(x, dim, target.data + row * (dim / 2), static_cast<at::Half*>(target.scales) + row * groups);
+    }
+    case kvq::kFp8E4m3:
+      return quantize_fp8<c10::Float8_e4m3fn>(x, dim, target.tensor_scale, target.data + row * dim);
+    default:
+      return quantize_fp8<c10::Float8_e5m2>(x, dim, target.tensor_scale, target.data + row * dim);
+  }
+}
+
+Target make_target(const torch::Tensor& data, const torch::Tensor& scales, double tensor_scale, int64_t format) {
+  TORCH_CHECK(data.is_contiguous() && data.element_size() == 1, "quantized KV data: contiguous bytes");
+  const bool scaled = format == kvq::kInt8 || format == kvq::kInt4;
+  TORCH_CHECK(!scaled || scales.is_contiguous(), "KV scales must be contiguous");
+  return Target{static_cast<uint8_t*>(data.data_ptr()), scaled ? scales.data_ptr() : nullptr,
+                static_cast<float>(tensor_scale)};
+}
+
+}  // namespace
+
+// key, value: [tokens, num_kv_heads, head_dim] in the model's dtype (any token/head strides, dense rows);
+// slot_mapping: [tokens] int64; the caches as paged_decode_attention_quantized takes them.
+void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_data,
+                        torch::Tensor v_data, torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
+                        double v_tensor_scale, int64_t format) {
+  TORCH_CHECK(format >= kvq::kFp8E4m3 && format <= kvq::kInt4, "unknown quantized KV format ", format);
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.dim() == 3 && value.stride(2) == 1,
+              "key, value: [tokens, kv_heads, head_dim] with dense rows");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  TORCH_CHECK(format != kvq::kInt4 || dim % 2 == 0, "int4 needs an even head_dim");
+  const Target targets[2] = {make_target(k_data, k_scales, k_tensor_scale, format),
+                             make_target(v_data, v_scales, v_tensor_scale, format)};
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_quantized_kv", [&] {
+    const torch::Tensor* sources[2] = {&key, &value};
+    at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(dim);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / heads, h = i % heads;
+        for (int which = 0; which < 2; ++which) {
+          const torch::Tensor& source = *sources[which];
+          const scalar_t* x = source.data_ptr<scalar_t>() + t * source.stride(0) + h * source.stride(1);
+          for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(x[d]);
+          quantize_row(row.data(), dim, format, slots[t] * heads + h, targets[which]);
+        }
+      }
+    });
+  });
+}
