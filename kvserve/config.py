@@ -130,6 +130,7 @@ class CacheConfig:
     kv_offloading_backend: str = "native"
     kv_disk_path: str | None = None  # a disk tier below the host tier, kept across restarts
     kv_disk_size: float = 10.0  # GiB
+    kv_idle_offload_seconds: float | None = None  # sessions idle this long leave the pool for the tiers
     kv_cache_memory: float | None = None  # GiB for the pool on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE); None: default
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -171,6 +172,12 @@ class EngineConfig:
         if tiers and not cache.enable_prefix_caching:
             raise ValueError("the KV tiers (--kv-offloading-size, --kv-disk-path) find blocks by their prefix hash: "
                              "they need prefix caching (drop --no-enable-prefix-caching)")
+        if cache.kv_idle_offload_seconds is not None:
+            if cache.kv_idle_offload_seconds <= 0:
+                raise ValueError(f"--kv-idle-offload-seconds must be > 0, got {cache.kv_idle_offload_seconds}")
+            if not tiers:
+                raise ValueError("--kv-idle-offload-seconds moves idle sessions' blocks to a KV tier: give "
+                                 "--kv-offloading-size or --kv-disk-path too")
         if cache.kv_disk_path is not None and cache.calculate_kv_scales:
             raise ValueError("--calculate-kv-scales picks new fp8 scales each run, so blocks on --kv-disk-path would "
                              "not decode the same after a restart; use one or the other")

@@ -190,3 +190,56 @@ def test_server_reports_tier_loads_in_usage_and_metrics(tiny_model_dir):
     finally:
         running.stop()
 
+
+
+def test_idle_sessions_leave_the_pool_for_the_host_tier_and_resume_from_it(model, never_evicting):
+    """--kv-idle-offload-seconds: a finished session's blocks move to the host tier once it is idle that long
+    (the pool keeps room for others without evicting), and its next turn loads them back."""
+    turns, expected = never_evicting
+    llm = LLM(model, num_gpu_blocks_override=400, kv_offloading_size=0.01, kv_idle_offload_seconds=30, **COMMON)
+    engine = llm.engine
+    for index, history in enumerate(HISTORIES):
+        engine.add_request(f"turn1-{index}", history, GREEDY, session_id=f"user-{index}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    cached_before = engine.kv_cache.num_cached_blocks
+    assert engine.offload_idle_sessions() == 0 and 0 < engine.idle_offload_wait() <= 30  # not idle yet
+    import time
+
+    moved = engine.offload_idle_sessions(now=time.monotonic() + 31)
+    assert moved == 4 * 9 and engine.kv_cache.num_cached_blocks == cached_before - moved
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert engine.idle_offload_wait() is None  # every session moved and forgotten
+    resumed = second_turns(llm, turns)
+    assert tokens(resumed) == expected
+    assert [o.tier_loaded_tokens.get("host", 0) for o in resumed] == [144] * 4
+    engine.kv_cache.check_invariants()
+
+
+def test_idle_offload_needs_a_tier(model):
+    with pytest.raises(ValueError, match="kv-idle-offload-seconds moves"):
+        LLM(model, kv_idle_offload_seconds=60, **COMMON)
+
+
+def test_the_server_offloads_an_idle_users_session_by_itself(tiny_model_dir):
+    """Through the server: `user` names the session; the engine thread moves its blocks while nothing else
+    arrives, and the next turn of that user loads them from the host tier."""
+    import time
+
+    from server_harness import start_server
+
+    folder, _ = tiny_model_dir("llama")
+    running = start_server(folder, kv_offloading_size=0.01, kv_idle_offload_seconds=0.3, max_model_len=256)
+    try:
+        client = running.openai()
+        text = " ".join(f"the history of alice, line {i}" for i in range(6))
+        first = client.completions.create(model="tiny-llama", prompt=text, max_tokens=4, temperature=0, user="alice")
+        deadline = time.monotonic() + 10
+        while running.metrics().get("kvserve:kv_tier_offloaded_blocks_total{tier=host}", 0) == 0:
+            assert time.monotonic() < deadline, "the idle session was never offloaded"
+            time.sleep(0.1)
+        again = client.completions.create(model="tiny-llama", prompt=text + first.choices[0].text, max_tokens=4,
+                                          temperature=0, user="alice")
+        assert again.usage.prompt_tokens_details.tier_loaded_tokens["host"] > 0
+    finally:
+        running.stop()

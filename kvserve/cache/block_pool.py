@@ -218,6 +218,14 @@ class BlockPool:
         block.block_hash = None
         self.stats.evictions += 1
 
+    def uncache(self, block: KVBlock) -> None:
+        """A cached-evictable block becomes free: its hash is dropped (its K/V was moved elsewhere) and it goes to
+        the head of the free queue, reused before any cached block."""
+        assert block.ref_cnt == 0 and block.block_hash is not None, f"block {block.block_id} is not cached-evictable"
+        self.free_queue.remove(block)
+        self._evict(block)
+        self.free_queue.appendleft(block)
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on cache hits; a ref-0 cached block leaves the free queue so it cannot be evicted."""
         free_queue = self.free_queue

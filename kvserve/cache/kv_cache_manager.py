@@ -167,6 +167,20 @@ class KVCacheManager:
         finally:
             self.pool.free_blocks(reversed(pinned))
 
+    def offload_cached(self, block_hashes: list[BlockHash]) -> int:
+        """Moves the unreferenced cached blocks among `block_hashes` to the KV tiers and frees them in the pool
+        (the idle-session policy); blocks a running request holds stay. Returns how many moved."""
+        if self.tiers is None:
+            return 0
+        pool = self.pool
+        blocks = [block for block_hash in block_hashes
+                  if (block := pool.cached_blocks.get(block_hash)) is not None and block.ref_cnt == 0]
+        if blocks:
+            self.tiers.offload([block.block_id for block in blocks], [block.block_hash for block in blocks])
+            for block in blocks:
+                pool.uncache(block)
+        return len(blocks)
+
     # ---- allocation ------------------------------------------------------------------------------------
 
     def allocate_slots(

@@ -34,6 +34,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-disk-path", default=None,
                        help="a folder for a disk tier below the host tier (kept across restarts)")
     group.add_argument("--kv-disk-size", type=float, default=10.0, help="GiB the disk tier may use (default 10)")
+    group.add_argument("--kv-idle-offload-seconds", type=float, default=None,
+                       help="move the blocks of sessions (OpenAI's user, or X-Session-ID) idle this long from the "
+                            "pool to the KV tiers")
     group.add_argument("--kv-cache-memory", type=float, default=None,
                        help="GiB for the KV pool on CPU (default 1)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -57,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_offloading_backend=args.kv_offloading_backend,
             kv_disk_path=args.kv_disk_path,
             kv_disk_size=args.kv_disk_size,
+            kv_idle_offload_seconds=args.kv_idle_offload_seconds,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,

@@ -111,6 +111,7 @@ class _Submit:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    session_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -271,7 +272,7 @@ class AsyncLLMEngine:
         return f"{prefix}-{next(self._ids)}"
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, session_id: str | None = None) -> RequestStream:
         """Queues a request; await `stream.accepted()` next. Raises at once if the engine cannot take it."""
         stream = RequestStream(request_id, params.n, self, asyncio.get_running_loop())
         with self._wakeup:
@@ -279,7 +280,7 @@ class AsyncLLMEngine:
             # (and is failed by it) or sees the new state here; none is left unanswered in between.
             self._check_admitting()
             self._check_queue_room(params.n)
-            self._push(_Submit(stream, list(prompt_token_ids), params, cache_salt), num_children=params.n)
+            self._push(_Submit(stream, list(prompt_token_ids), params, cache_salt, session_id), num_children=params.n)
         self._open_streams.add(stream)
         return stream
 
@@ -326,13 +327,18 @@ class AsyncLLMEngine:
             self._apply(command)
         if self.engine.has_unfinished_requests():
             self._step()
+        else:
+            self.engine.offload_idle_sessions()
         self._publish()
         return self.state is not EngineState.DEAD
 
     def _take_commands(self) -> list[_Command]:
         with self._wakeup:
             while not self._commands and not self.engine.has_unfinished_requests():
-                self._wakeup.wait()
+                wait = self.engine.idle_offload_wait()  # idle sessions fall due even when nothing arrives
+                if wait is not None and wait <= 0:
+                    break
+                self._wakeup.wait(wait)
             commands = list(self._commands)
             self._commands.clear()
             self._num_unadmitted_children -= sum(c.params.n for c in commands if isinstance(c, _Submit))
@@ -348,7 +354,8 @@ class AsyncLLMEngine:
         assert isinstance(command, _Submit)
         stream = command.stream
         try:
-            self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params, command.cache_salt)
+            self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params, command.cache_salt,
+                                    command.session_id)
         except RequestRejected as exc:
             self._deliver([(stream, exc)])
             return

@@ -18,6 +18,7 @@ from kvserve.cache.kv_storage import allocate_kv_storage, set_fp8_scales
 from kvserve.cache.tier_stats import TierStats
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.idle_sessions import IdleSessions
 from kvserve.engine.memory_profile import decode_gather_tokens
 from kvserve.engine.model_runner import ModelRunner, StepLogits
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
@@ -118,6 +119,8 @@ class LLMEngine:
         self.tiers = build_tiers(cache_cfg, self.loaded, storage, self.pool.kv_format)
         if self.tiers is not None:
             self.kv_cache.attach_tiers(self.tiers)
+        idle_seconds = cache_cfg.kv_idle_offload_seconds
+        self.idle_sessions = IdleSessions(idle_seconds) if idle_seconds is not None else None
         self.runner = ModelRunner(self.loaded.model, storage, self.kv_cache, self.device,
                                   max_gather_tokens=decode_gather_tokens(config.scheduler))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
@@ -138,7 +141,9 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> None:
+        """`session_id` (OpenAI's `user`, or X-Session-ID) lets --kv-idle-offload-seconds find the session's blocks."""
         params = params or SamplingParams()
         if request_id in self.parents:
             raise RequestRejected(f"request id {request_id!r} is already in use", param="request_id")
@@ -148,6 +153,7 @@ class LLMEngine:
         children = [self._make_child(request_id, index, token_ids, params, cache_salt) for index in range(params.n)]
         self.parents[request_id] = ParentRequest(request_id, prompt_text, children)
         for child in children:
+            child.session_id = session_id
             self.child_parent[child.request_id] = request_id
             self.scheduler.add(child)
 
@@ -220,6 +226,17 @@ class LLMEngine:
             tiers=self.tiers.snapshot() if self.tiers is not None else {},
         )
 
+    def offload_idle_sessions(self, now: float | None = None) -> int:
+        """--kv-idle-offload-seconds: moves the blocks of sessions idle that long from the pool to the tiers.
+        Returns the blocks moved."""
+        if self.idle_sessions is None:
+            return 0
+        return sum(self.kv_cache.offload_cached(hashes) for hashes in self.idle_sessions.due(now))
+
+    def idle_offload_wait(self) -> float | None:
+        """Seconds until the idle-session policy has work (0: now); None when it has none coming."""
+        return None if self.idle_sessions is None else self.idle_sessions.seconds_to_next()
+
     def close(self) -> None:
         """Saves what the KV tiers must keep across a restart (the disk tier) and stops their writer."""
         if self.tiers is not None:
@@ -228,6 +245,7 @@ class LLMEngine:
             self.tiers = None
 
     def step(self) -> list[RequestOutput]:
+        self.offload_idle_sessions()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
@@ -272,6 +290,8 @@ class LLMEngine:
         status = self._stop_status(request, token_id, stop_string)
         if status is not None:
             self.scheduler.finish(request, status)
+            if request.session_id is not None and self.idle_sessions is not None:
+                self.idle_sessions.note(request.session_id, request.block_hashes, now)
             reason = status.value
             self.counters.finished_by_reason[reason] = self.counters.finished_by_reason.get(reason, 0) + 1
 

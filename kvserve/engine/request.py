@@ -50,6 +50,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission; -1: not admitted yet
     # Of those and of later re-admissions, tokens the KV tiers loaded into the pool, per tier ("host", "disk").
     tier_loaded_tokens: dict[str, int] = field(default_factory=dict)
+    session_id: str | None = None  # the session it belongs to, for the idle-session policy
     num_preemptions: int = 0
     num_sent_tokens: int = 0  # output tokens already handed out in a RequestOutput
     block_hashes: list = field(default_factory=list)  # owned by the request, filled by the KV cache manager

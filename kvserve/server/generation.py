@@ -48,14 +48,20 @@ class EngineJob:
             stream.close()
 
 
+def session_of(request, body) -> str | None:
+    """The session a request belongs to, for the idle-session policy: the gateway's X-Session-ID header, else
+    OpenAI's `user`."""
+    return request.headers.get("x-session-id") or getattr(body, "user", None) or None
+
+
 async def submit(ctx: ServerContext, prompts: list[Prompt], params: list[SamplingParams], cache_salt: str | None,
-                 id_prefix: str) -> EngineJob:
+                 id_prefix: str, session_id: str | None = None) -> EngineJob:
     """Queues every prompt and waits until the engine has accepted them all; on any refusal, none stay queued."""
     job = EngineJob(prompts, params, [])
     try:
         for prompt, prompt_params in zip(prompts, params):
             request_id = ctx.engine.new_request_id(id_prefix)
-            job.streams.append(ctx.engine.submit(request_id, prompt.token_ids, prompt_params, cache_salt))
+            job.streams.append(ctx.engine.submit(request_id, prompt.token_ids, prompt_params, cache_salt, session_id))
         for stream in job.streams:
             await stream.accepted()
     except Exception as exc:

@@ -50,7 +50,7 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored, as vLLM does
+    user: str | None = None  # the session, for --kv-idle-offload-seconds (the X-Session-ID header wins)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     cache_salt: str | None = Field(None, min_length=1)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the last k prompt tokens

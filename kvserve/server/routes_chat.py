@@ -14,7 +14,7 @@ from kvserve.server.context import ServerContext, get_context
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import (
     CLIENT_CLOSED_REQUEST, EngineJob, finished_outputs, merged_outputs, observe_finished,
-    guarded_events, submit, usage_options,
+    guarded_events, session_of, submit, usage_options,
 )
 from kvserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from kvserve.server.prompts import Prompt, check_token_ids, render_chat, resolve_max_tokens, truncate_prompt
@@ -37,7 +37,8 @@ async def create_chat_completion(request: Request) -> Response:
     model = ctx.resolve_model(body.model)
     check_unsupported(body)
     prompt = await asyncio.to_thread(_tokenize, ctx, body)
-    job = await submit(ctx, [prompt], [_params(ctx, body, prompt)], body.cache_salt, "chatcmpl")
+    job = await submit(ctx, [prompt], [_params(ctx, body, prompt)], body.cache_salt, "chatcmpl",
+                       session_of(request, body))
     response_id, created = new_response_id("chatcmpl"), now_unix()
     if body.stream:
         return SSEResponse(_events(request, ctx, job, body, response_id, created, model), on_close=job.close)

@@ -15,7 +15,7 @@ from kvserve.server.context import ServerContext, get_context
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import (
     CLIENT_CLOSED_REQUEST, EngineJob, finished_outputs, merged_outputs, observe_finished,
-    guarded_events, submit, usage_options,
+    guarded_events, session_of, submit, usage_options,
 )
 from kvserve.server.logprobs import completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
 from kvserve.server.prompts import (
@@ -40,7 +40,7 @@ async def create_completion(request: Request) -> Response:
     check_unsupported(body)
     prompts = await asyncio.to_thread(_tokenize, ctx, body)
     params = [_params(ctx, body, prompt) for prompt in prompts]
-    job = await submit(ctx, prompts, params, body.cache_salt, "cmpl")
+    job = await submit(ctx, prompts, params, body.cache_salt, "cmpl", session_of(request, body))
     response_id, created = new_response_id("cmpl"), now_unix()
     if body.stream:
         return SSEResponse(_events(request, ctx, job, body, response_id, created, model), on_close=job.close)
