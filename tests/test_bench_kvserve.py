@@ -184,3 +184,25 @@ def test_cli_writes_results_plots_and_compares(server, tmp_path, capsys):
     assert main(["bench", "compare", str(output), str(output)]) == 0
     table = capsys.readouterr().out
     assert "TTFT p95" in table and "1.00x" in table
+
+
+def test_multi_turn_on_a_server_with_a_host_tier_reports_the_tier(tiny_model_dir, capsys):
+    """Sessions that evict each other from a small pool come back through the host tier: the bench's server
+    view counts the blocks loaded and the bytes each way, and the console shows them."""
+    folder, _ = tiny_model_dir("llama")
+    tiered = start_server(folder, max_model_len=320, num_gpu_blocks_override=20, kv_offloading_size=0.01)
+    try:
+        result = bench(tiered.url, workload="multi-turn", system_prompt_len=8, user_len=60, output_len=4,
+                       num_turns=2, num_sessions=4, max_concurrency=4, think_time_s=0.0)
+        view = result.server
+        assert result.summary.num_completed == 8
+        assert view.tier_hits["host"] > 0 and view.tier_bytes_loaded["host"] > 0
+        assert view.tier_bytes_offloaded["host"] >= view.tier_bytes_loaded["host"]
+        from rich.console import Console
+
+        from kvserve.bench.report import print_report
+
+        print_report(result, Console(width=200))
+        assert "KV tier host: blocks loaded" in capsys.readouterr().out
+    finally:
+        tiered.stop()

@@ -22,11 +22,16 @@ PREEMPTIONS = ("vllm:num_preemptions_total",)
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio")
 RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing")
 WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred")
+# kvserve's KV tiers, per `tier` label (host, disk): blocks loaded back into the pool, bytes each way.
+TIER_HITS = "kvserve:kv_tier_hits_total"
+TIER_BYTES = "kvserve:kv_tier_bytes_total"
 
 
 @dataclass(slots=True)
 class MetricsSnapshot:
     samples: dict[str, float]  # sample name -> value summed over its label sets (models, engines)
+    # KV tier samples by (name, tier, direction or ""), summed over the other labels.
+    tiers: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
     def first(self, names: tuple[str, ...]) -> float | None:
         return next((self.samples[n] for n in names if n in self.samples), None)
@@ -34,10 +39,14 @@ class MetricsSnapshot:
 
 def parse_metrics(text: str) -> MetricsSnapshot:
     samples: dict[str, float] = {}
+    tiers: dict[tuple[str, str, str], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-    return MetricsSnapshot(samples)
+            if "tier" in sample.labels:
+                key = (sample.name, sample.labels["tier"], sample.labels.get("direction", ""))
+                tiers[key] = tiers.get(key, 0.0) + sample.value
+    return MetricsSnapshot(samples, tiers)
 
 
 async def scrape(http: httpx.AsyncClient, base_url: str) -> MetricsSnapshot | None:
@@ -94,11 +103,21 @@ class ServerView:
     peak_running: float | None = None
     peak_waiting: float | None = None
     gauges: list[GaugeSample] = field(default_factory=list)
+    # Per KV tier (kvserve's --kv-offloading-size / --kv-disk-path), over the run: blocks loaded back into the
+    # pool, bytes loaded (out of the tier) and offloaded (into it). Empty when the server has no tiers.
+    tier_hits: dict[str, float] = field(default_factory=dict)
+    tier_bytes_loaded: dict[str, float] = field(default_factory=dict)
+    tier_bytes_offloaded: dict[str, float] = field(default_factory=dict)
 
 
 def delta(before: MetricsSnapshot, after: MetricsSnapshot, names: tuple[str, ...]) -> float | None:
     first, last = before.first(names), after.first(names)
     return None if first is None or last is None else last - first
+
+
+def tier_deltas(before: MetricsSnapshot, after: MetricsSnapshot, name: str, direction: str) -> dict[str, float]:
+    return {tier: value - before.tiers.get((sample, tier, way), 0.0)
+            for (sample, tier, way), value in after.tiers.items() if sample == name and way == direction}
 
 
 def peak(values: list[float | None]) -> float | None:
@@ -122,6 +141,9 @@ def server_view(before: MetricsSnapshot | None, after: MetricsSnapshot | None, g
     )
     if view.prefix_cache_queries and view.prefix_cache_hits is not None:
         view.prefix_cache_hit_rate = view.prefix_cache_hits / view.prefix_cache_queries
+    view.tier_hits = tier_deltas(before, after, TIER_HITS, "")
+    view.tier_bytes_loaded = tier_deltas(before, after, TIER_BYTES, "out")
+    view.tier_bytes_offloaded = tier_deltas(before, after, TIER_BYTES, "in")
     view.peak_kv_usage = peak([g.kv_usage for g in gauges])
     view.peak_running = peak([g.num_running for g in gauges])
     view.peak_waiting = peak([g.num_waiting for g in gauges])

@@ -128,6 +128,10 @@ def server_table(result: BenchResult) -> Table | None:
                   f"{number(server.prefix_cache_queries, 0)}")
     table.add_row("prefix cache hit rate", percent(server.prefix_cache_hit_rate))
     table.add_row("preemptions", number(server.preemptions, 0))
+    for tier, hits in server.tier_hits.items():
+        table.add_row(f"KV tier {tier}: blocks loaded / MiB loaded / MiB offloaded",
+                      f"{number(hits, 0)} / {number(server.tier_bytes_loaded.get(tier, 0) / 2**20, 1)} / "
+                      f"{number(server.tier_bytes_offloaded.get(tier, 0) / 2**20, 1)}")
     table.add_row("peak KV cache usage", percent(server.peak_kv_usage))
     table.add_row("peak running / waiting requests", f"{number(server.peak_running, 0)} / "
                   f"{number(server.peak_waiting, 0)}")
