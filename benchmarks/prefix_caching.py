@@ -1,11 +1,13 @@
 """Prefix caching on vs off, in one run, on the demo model (SmolLM2-135M, bf16):
 
-    python benchmarks/prefix_caching.py [--model PATH] [--quick]
+    python benchmarks/prefix_caching.py [--model PATH] [--quick] [--compare-tiers]
 
 (a) the seed's scenario: one >= 1,024-token system prompt + short user turns, 64 requests at concurrency 16;
 (b) multi-turn chats: each turn resends the whole history (system prompt, earlier turns, the model's answers).
 Requests are driven in a closed loop straight into the engine (no HTTP), so the figures are the engine's.
 Prints TTFT p50/p95, output tok/s, the on/off ratios and the prefix-cache hit rate.
+--compare-tiers: both engines cache prefixes, one with a 4 GiB host tier below its pool (which nothing here
+ever needs: the pool holds every prefix), so the ratios are what the tier costs when nothing returns.
 """
 
 from __future__ import annotations
@@ -137,9 +139,10 @@ def scenario_b(tokenizer, num_sessions: int, num_turns: int) -> list[Session]:
             for s in range(num_sessions)]
 
 
-def print_comparison(title: str, on: dict[str, float], off: dict[str, float], hit_note: str) -> None:
+def print_comparison(title: str, on: dict[str, float], off: dict[str, float], hit_note: str,
+                     labels: tuple[str, str] = ("caching on", "caching off")) -> None:
     print(f"\n{title}")
-    print(f"{'':22} {'caching on':>12} {'caching off':>12} {'on/off':>8}")
+    print(f"{'':22} {labels[0]:>12} {labels[1]:>12} {'on/off':>8}")
     for key, label, fmt in [("ttft_p50", "TTFT p50 (s)", "{:12.3f}"), ("ttft_p95", "TTFT p95 (s)", "{:12.3f}"),
                             ("tok_s", "output tok/s", "{:12.1f}")]:
         print(f"{label:22} {fmt.format(on[key])} {fmt.format(off[key])} {on[key] / off[key]:8.2f}")
@@ -150,9 +153,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
+    parser.add_argument("--compare-tiers", action="store_true", help="host tier on vs off, prefix caching on in both")
     args = parser.parse_args()
-    engines = {flag: LLM(args.model, dtype="bfloat16", enable_prefix_caching=flag, kv_cache_memory=2.0,
-                         max_model_len=4096, max_num_seqs=64) for flag in (True, False)}
+    common = dict(dtype="bfloat16", kv_cache_memory=2.0, max_model_len=4096, max_num_seqs=64)
+    if args.compare_tiers:
+        engines = {True: LLM(args.model, kv_offloading_size=4.0, **common), False: LLM(args.model, **common)}
+    else:
+        engines = {flag: LLM(args.model, enable_prefix_caching=flag, **common) for flag in (True, False)}
     tokenizer = engines[True].get_tokenizer()
     num_a, sessions_b, turns_b = (16, 4, 3) if args.quick else (64, 8, 5)
     results = {}
@@ -165,10 +172,11 @@ def main() -> None:
         rec_b, t_b = run(llm, scenario_b(tokenizer, sessions_b, turns_b), sessions_b, 64, ignore_eos=False)
         results[flag] = (summarize(rec_a, t_a), summarize(rec_b, t_b, from_turn=1))
     prompt_a = sum(len(tokenizer.encode(s.messages[0]["content"])) for s in scenario_a(tokenizer, 1))
+    labels = ("host tier on", "tiers off") if args.compare_tiers else ("caching on", "caching off")
     print_comparison(f"(a) {num_a} requests, ~{prompt_a}-token system prompt + short user turn, concurrency 16, 32 out",
-                     results[True][0], results[False][0], "(all requests)")
+                     results[True][0], results[False][0], "(all requests)", labels)
     print_comparison(f"(b) {sessions_b} chats x {turns_b} turns, whole history resent, answers up to 64 tokens",
-                     results[True][1], results[False][1], "(from turn 2)")
+                     results[True][1], results[False][1], "(from turn 2)", labels)
 
 
 if __name__ == "__main__":
