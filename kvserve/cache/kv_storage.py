@@ -131,11 +131,12 @@ def allocate_kv_storage(
         # and NaN garbage times a zero weight would still be NaN.
         return [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(num_layers)]
-    return [_quantized_layer(codec, num_blocks, block_size, num_kv_heads, device) for _ in range(num_layers)]
+    rotation = rotation_matrix(codec.head_dim, device) if codec.rotates else None  # one, shared by every layer
+    return [_quantized_layer(codec, num_blocks, block_size, num_kv_heads, device, rotation) for _ in range(num_layers)]
 
 
 def _quantized_layer(codec: KVCodec, num_blocks: int, block_size: int, num_kv_heads: int,
-                     device: torch.device | str) -> LayerKVCache:
+                     device: torch.device | str, rotation: torch.Tensor | None) -> LayerKVCache:
     data_shape = (num_blocks, block_size, num_kv_heads, codec.data_dim)
 
     def data() -> torch.Tensor:
@@ -152,5 +153,4 @@ def _quantized_layer(codec: KVCodec, num_blocks: int, block_size: int, num_kv_he
     def tensor_scale() -> torch.Tensor | None:
         return torch.ones((), dtype=torch.float32, device=device) if codec.scales_per_vector == 0 else None
 
-    rotation = rotation_matrix(codec.head_dim, device) if codec.rotates else None
     return LayerKVCache(data(), data(), codec, scales(), scales(), tensor_scale(), tensor_scale(), rotation)

@@ -73,12 +73,9 @@ class KVTiers:
         self.copier = copier
         self.host = host
         self.disk = disk
+        self.tiers = [tier for tier in (host, disk) if tier is not None]  # top first
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
         self.host_bytes_per_s = DEFAULT_HOST_BYTES_PER_S
-
-    @property
-    def tiers(self) -> list:
-        return [tier for tier in (self.host, self.disk) if tier is not None]
 
     def offload(self, block_ids: list[int], block_hashes: list[BlockHash]) -> None:
         """Copies evicted cached blocks (still intact) to the first tier; what it evicts goes further down."""

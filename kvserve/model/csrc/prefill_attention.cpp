@@ -30,6 +30,7 @@
 namespace {
 
 using prefill::Segment;
+using prefill::Shape;
 
 constexpr int64_t kKeyTile = 16;     // keys per packed K tile: one zmm of fp32 scores
 constexpr int64_t kChunk = 256;      // keys per online-softmax step (a multiple of kKeyTile)
@@ -151,11 +152,6 @@ struct Scratch {
   std::vector<const uint32_t*> q_rows;
 };
 
-struct Shape {
-  int64_t head_dim, group, q_stride, out_stride, sliding_window;  // strides in elements, per token
-  float scale;
-};
-
 // One task: query positions [first, first + count) of a segment, for the query heads of one KV head.
 void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t count, const Shape& shape,
                   const uint16_t* q, const uint16_t* k_packed, const uint16_t* v_packed, uint16_t* out,
@@ -251,19 +247,11 @@ void prefill_bf16(const torch::Tensor& q, at::IntArrayRef cache_shape, const tor
                   int64_t sliding_window, torch::Tensor& out, Pack&& pack) {
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "the bf16 prefill kernel takes a bf16 query and output");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
-  TORCH_CHECK(out.is_contiguous(), "out contiguous");
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = cache_shape[1], num_kv_heads = cache_shape[2];
-  TORCH_CHECK(head_dim % 64 == 0, "head_dim must be a multiple of 64");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  const Shape shape{head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0), sliding_window,
-                    static_cast<float>(scale)};
+  const Shape shape = prefill::query_shape(q, out, cache_shape, 64, scale, sliding_window);
   const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   prefill::pack_and_attend<Scratch, uint16_t>(
-      block_tables, query_starts, num_past, block_size, num_kv_heads, head_dim, shape.group, sliding_window, kChunk,
-      kRowsTarget, q.options(), pack,
+      shape, block_tables, query_starts, num_past, kChunk, kRowsTarget, q.options(), pack,
       [&](const prefill::Task& t, const Segment& seg, const uint16_t* k_src, const uint16_t* v_src, Scratch& scratch) {
         attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, k_src, v_src, out_ptr, scratch);
       });

@@ -26,6 +26,7 @@
 namespace {
 
 using prefill::Segment;
+using prefill::Shape;
 using simd::Simd;
 
 constexpr int64_t kLanes = Simd::kLanes;
@@ -141,11 +142,6 @@ struct Scratch {
   std::vector<const float*> q_rows;
 };
 
-struct Shape {
-  int64_t head_dim, group, q_stride, out_stride, sliding_window;  // strides in elements, per token
-  float scale;
-};
-
 // Scales a row's visible scores [first_visible, last_visible] (chunk-relative), hides the rest, and turns them
 // into e^(score - new max) in place; returns (new max, sum of the exponentials).
 std::pair<float, float> softmax_chunk_row(float* row, int64_t num_keys_padded, int64_t first_visible,
@@ -232,19 +228,11 @@ void prefill_fp32(const torch::Tensor& q, at::IntArrayRef cache_shape, const tor
                   int64_t sliding_window, torch::Tensor& out, Pack&& pack) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
               "the fp32 prefill kernel takes an fp32 query and output");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
-  TORCH_CHECK(out.is_contiguous(), "out contiguous");
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = cache_shape[1], num_kv_heads = cache_shape[2];
-  TORCH_CHECK(head_dim % kLanes == 0, "head_dim must be a multiple of ", kLanes);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  const Shape shape{head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0), sliding_window,
-                    static_cast<float>(scale)};
+  const Shape shape = prefill::query_shape(q, out, cache_shape, kLanes, scale, sliding_window);
   const float* q_ptr = q.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   prefill::pack_and_attend<Scratch, float>(
-      block_tables, query_starts, num_past, block_size, num_kv_heads, head_dim, shape.group, sliding_window, kChunk,
-      kRowsTarget, q.options(), pack,
+      shape, block_tables, query_starts, num_past, kChunk, kRowsTarget, q.options(), pack,
       [&](const prefill::Task& t, const Segment& seg, const float* k_src, const float* v_src, Scratch& scratch) {
         attend_block(seg, t.kv_head, t.first, t.count, shape, q_ptr, k_src, v_src, out_ptr, scratch);
       });

@@ -19,6 +19,25 @@ struct Segment {
   int64_t packed_offset;  // elements into the packed K (and V) buffer of each KV head
 };
 
+// What every task of a call needs to know of the query and output tensors.
+struct Shape {
+  int64_t head_dim, group, q_stride, out_stride, sliding_window;  // strides in elements, per token
+  float scale;
+  int64_t block_size, num_kv_heads;  // of the cache
+};
+
+// Checks the query, output and cache shapes common to the prefill kernels; the dtypes are each kernel's own.
+inline Shape query_shape(const torch::Tensor& q, const torch::Tensor& out, at::IntArrayRef cache_shape,
+                         int64_t head_dim_multiple, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
+  TORCH_CHECK(out.is_contiguous(), "out contiguous");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = cache_shape[2];
+  TORCH_CHECK(head_dim % head_dim_multiple == 0, "head_dim must be a multiple of ", head_dim_multiple);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  return Shape{head_dim, num_heads / num_kv_heads, q.stride(0), out.stride(0), sliding_window,
+               static_cast<float>(scale), cache_shape[1], num_kv_heads};
+}
+
 struct Task {
   int64_t segment, kv_head, first, count;  // query positions [first, first + count) of the segment
 };
@@ -93,18 +112,18 @@ void run(const std::vector<Segment>& segments, const std::vector<Task>& tasks, i
 // pack(seg, head, k_dst, v_dst) fills one pair's packed keys and values; attend(task, seg, k_src, v_src, scratch)
 // reads them.
 template <typename Scratch, typename elem_t, typename Pack, typename Attend>
-void pack_and_attend(const torch::Tensor& block_tables, const torch::Tensor& query_starts,
-                     const torch::Tensor& num_past, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                     int64_t group, int64_t sliding_window, int64_t chunk, int64_t rows_target,
-                     torch::TensorOptions options, Pack&& pack, Attend&& attend) {
+void pack_and_attend(const Shape& shape, const torch::Tensor& block_tables, const torch::Tensor& query_starts,
+                     const torch::Tensor& num_past, int64_t chunk, int64_t rows_target, torch::TensorOptions options,
+                     Pack&& pack, Attend&& attend) {
+  const int64_t num_kv_heads = shape.num_kv_heads;
   int64_t packed_size = 0;  // per KV head
-  const std::vector<Segment> segments = plan_segments(block_tables, query_starts, num_past, block_size, head_dim,
-                                                      sliding_window, chunk, packed_size);
+  const std::vector<Segment> segments = plan_segments(block_tables, query_starts, num_past, shape.block_size,
+                                                      shape.head_dim, shape.sliding_window, chunk, packed_size);
   auto k_packed = torch::zeros({num_kv_heads, packed_size}, options);
   auto v_packed = torch::zeros({num_kv_heads, packed_size}, options);
   elem_t* kp = reinterpret_cast<elem_t*>(k_packed.data_ptr());
   elem_t* vp = reinterpret_cast<elem_t*>(v_packed.data_ptr());
-  const std::vector<Task> tasks = plan_tasks(segments, num_kv_heads, group, rows_target);
+  const std::vector<Task> tasks = plan_tasks(segments, num_kv_heads, shape.group, rows_target);
   run<Scratch>(
       segments, tasks, num_kv_heads,
       [&](const Segment& seg, int64_t h) {
