@@ -213,8 +213,8 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {cache.num_gpu_blocks_override}")
         if sched.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be fcfs or lpm, got {sched.scheduling_policy!r}")
-        if self.parallel.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor parallelism (--tensor-parallel-size > 1) is not built yet")
+        if self.parallel.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.parallel.tensor_parallel_size}")
         self._validate_tiers()
         if cache.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")

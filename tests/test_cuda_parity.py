@@ -137,3 +137,19 @@ def test_server_on_cuda_streams_to_the_openai_client_and_reports_gpu_memory(tiny
         assert used and used[0] > 0
     finally:
         running.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two CUDA devices")
+def test_tp2_over_nccl_generates_what_tp1_does(tiny_model_dir):
+    """fp32 on both: the all-reduce changes only the order of two partial sums per layer."""
+    folder, _ = tiny_model_dir("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(str(folder), dtype="float32", device="cuda", tensor_parallel_size=tp, max_model_len=512,
+                  gpu_memory_utilization=UTILIZATION, max_num_batched_tokens=64)
+        try:
+            results.append([o.outputs[0].token_ids for o in llm.generate(make_prompts(), params, use_tqdm=False)])
+        finally:
+            llm.close()
+    assert results[1] == results[0]

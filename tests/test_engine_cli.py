@@ -43,7 +43,7 @@ def test_chat_answers_each_line_until_an_empty_one(tiny_model_dir, capsys, monke
 
 @pytest.mark.parametrize("argv,status,message", [
     (["--temperature", "-1"], 2, "temperature must be non-negative"),
-    (["--tensor-parallel-size", "2"], 2, "not built yet"),
+    (["--tensor-parallel-size", "2"], 1, "--tensor-parallel-size 2 does not divide"),
     (["--model", "/no/such/model"], 1, "/no/such/model: no such file or folder"),
     (["--device", "tpu"], 1, "--device must be auto, cpu, cuda or cuda:N"),
 ])

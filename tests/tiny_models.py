@@ -58,7 +58,7 @@ def build_tokenizer(folder: Path) -> None:
     wrapped.save_pretrained(folder)
 
 
-def build_model(kind: str, seed: int = 0):
+def build_model(kind: str, seed: int = 0, **overrides):
     import transformers
 
     config_classes = {
@@ -69,7 +69,7 @@ def build_model(kind: str, seed: int = 0):
         "llama": transformers.LlamaForCausalLM, "llama3": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM, "mistral": transformers.MistralForCausalLM,
     }
-    config = config_classes[kind](**BASE, **ARCHITECTURES[kind])
+    config = config_classes[kind](**(BASE | ARCHITECTURES[kind] | overrides))
     torch.manual_seed(seed)
     model = model_classes[kind](config).to(torch.float32).eval()
     with torch.no_grad():
@@ -80,8 +80,9 @@ def build_model(kind: str, seed: int = 0):
     return model
 
 
-def save_model(kind: str, folder: Path, seed: int = 0, max_shard_size: str | None = None):
-    model = build_model(kind, seed)
+def save_model(kind: str, folder: Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """`overrides`: config fields that differ from BASE (num_key_value_heads=1 for MQA, ...)."""
+    model = build_model(kind, seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     build_tokenizer(folder)

@@ -21,11 +21,13 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.engine.llm_engine import EngineStats, LLMEngine, RequestRejected
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.tp_group import WorkerFailed
 
 logger = logging.getLogger("kvserve.engine.async")
 
@@ -117,6 +119,13 @@ class _Submit:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Fail:
+    """Something outside a step killed the engine (a tensor-parallel worker died while it was idle)."""
+
+    error: BaseException
 
 
 @dataclass(slots=True)
@@ -228,6 +237,8 @@ class AsyncLLMEngine:
         self._last_census_time = 0.0
         self._census = self._take_census()
         self.snapshot = self._make_snapshot()
+        # Called (from the engine thread) with the error once the engine is dead: the server exits on it.
+        self.on_dead: list[Callable[[BaseException], None]] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -235,6 +246,9 @@ class AsyncLLMEngine:
         """Starts the engine thread (idempotent)."""
         if self._thread is not None:
             return
+        tp = getattr(self.engine, "tp", None)
+        if tp is not None:
+            tp.on_failure(lambda message: self._push(_Fail(WorkerFailed(message))))
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -324,6 +338,10 @@ class AsyncLLMEngine:
             if isinstance(command, _Stop):
                 self._stop_all()
                 return False
+            if isinstance(command, _Fail):
+                logger.error("the engine cannot continue: %s", command.error)
+                self._fail_in_flight(command.error, fatal=True)
+                return False
             self._apply(command)
         if self.engine.has_unfinished_requests():
             self._step()
@@ -388,14 +406,15 @@ class AsyncLLMEngine:
             batch.append((stream, output))
         self._deliver(batch)
 
-    def _fail_in_flight(self, exc: BaseException) -> None:
+    def _fail_in_flight(self, exc: BaseException, fatal: bool = False) -> None:
         streams = list(self._streams.values())
         self._streams.clear()
         error = EngineError(f"the engine failed while running this request: {exc!r}")
         self._deliver([(stream, error) for stream in streams])
+        healthy = not fatal and not isinstance(exc, WorkerFailed)  # a lost worker cannot be stepped again
         try:
             self.engine.abort_request([s.request_id for s in streams])
-            healthy = not self.engine.has_unfinished_requests()
+            healthy = healthy and not self.engine.has_unfinished_requests()
         except Exception:
             logger.exception("could not abort requests after the failure")
             healthy = False
@@ -418,6 +437,8 @@ class AsyncLLMEngine:
         self.failure = exc
         error = EngineDeadError(f"the engine has stopped after an error: {exc!r}")
         self._close_queue(EngineState.DEAD, error)
+        for listener in self.on_dead:
+            listener(exc)
         streams = list(self._streams.values())
         self._streams.clear()
         self._deliver([(s, error) for s in streams])

@@ -13,22 +13,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.cache.block_copier import BlockCopier
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.cache.kv_storage import allocate_kv_storage, set_fp8_scales
 from kvserve.cache.tier_stats import TierStats
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.idle_sessions import IdleSessions
-from kvserve.engine.memory_profile import decode_gather_tokens
-from kvserve.engine.model_runner import ModelRunner, StepLogits
+from kvserve.engine.model_runner import ModelRunner, StepLogits, plan_step
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.engine.pool_sizing import PoolPlan, plan_kv_pool
+from kvserve.engine.pool_sizing import PoolPlan
+from kvserve.engine.rank_state import RankState, build_rank
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import prompt_logprobs, sample
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.tier_setup import build_tiers
-from kvserve.model.loader import LoadedModel, load_model
+from kvserve.engine.tp_group import ShardedBlockCopier, TensorParallelGroup
+from kvserve.engine.tp_worker import agree_num_blocks, cpu_threads_per_rank, rank_device
+from kvserve.model.loader import LoadedModel, check_tensor_parallel
+from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -100,34 +103,53 @@ class LLMEngine:
         self.config = config
         self.device = pick_device(config.device)
         torch.manual_seed(config.seed)
-        self.loaded: LoadedModel = load_model(config.model, config.dtype, self.device)
+        tp_size = config.parallel.tensor_parallel_size
+        self.tp: TensorParallelGroup | None = None
+        try:
+            rank = self._build_rank(config, tp_size)
+        except BaseException:
+            self.close()
+            raise
+        self.loaded: LoadedModel = rank.loaded
         self.tokenizer = self.loaded.tokenizer
-        self.pool: PoolPlan = plan_kv_pool(config, self.loaded, self.device)
+        self.pool: PoolPlan = rank.pool
         self.max_model_len = self.pool.max_model_len
         cache_cfg = config.cache
         self.kv_cache = KVCacheManager(
             self.pool.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching, cache_cfg.prefix_caching_hash_algo
         )
-        model_cfg = self.loaded.config
-        storage = allocate_kv_storage(
-            model_cfg.num_hidden_layers, self.pool.num_blocks, cache_cfg.block_size, model_cfg.num_key_value_heads,
-            model_cfg.head_dim, self.pool.kv_dtype, self.device, self.pool.kv_format,
-        )
-        scales = set_fp8_scales(storage, self.loaded.model.checkpoint_kv_scales, cache_cfg.calculate_kv_scales)
-        if scales:
-            logger.info("fp8 KV scales: %s", scales)
-        self.tiers = build_tiers(cache_cfg, self.loaded, storage, self.pool.kv_format)
+        if rank.fp8_scales:
+            logger.info("fp8 KV scales: %s", rank.fp8_scales)
+        copier = None if self.tp is None else ShardedBlockCopier(BlockCopier(rank.storage), self.tp)
+        self.tiers = build_tiers(cache_cfg, self.loaded, rank.storage, self.pool.kv_format, copier)
         if self.tiers is not None:
             self.kv_cache.attach_tiers(self.tiers)
         idle_seconds = cache_cfg.kv_idle_offload_seconds
         self.idle_sessions = IdleSessions(idle_seconds) if idle_seconds is not None else None
-        self.runner = ModelRunner(self.loaded.model, storage, self.kv_cache, self.device,
-                                  max_gather_tokens=decode_gather_tokens(config.scheduler))
+        self.runner = rank.runner
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
         self.child_parent: dict[str, str] = {}
         self.counters = EngineCounters()
-        logger.info(self.pool.describe())
+
+    def _build_rank(self, config: EngineConfig, tp_size: int) -> RankState:
+        """This process's shard (all of the model at TP 1); under TP, the workers build theirs alongside."""
+        if tp_size == 1:
+            rank = build_rank(config, self.device, WHOLE_MODEL)
+            logger.info(rank.describe_pool())
+            return rank
+        check_tensor_parallel(config.model, tp_size)
+        self.device = rank_device(config, 0)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(tp_size))
+        self.tp = TensorParallelGroup(config, tp_size, self.device)
+        try:
+            rank = build_rank(config, self.device, TensorShard(0, tp_size), agree_num_blocks)
+        except RuntimeError as exc:  # a collective failed: most likely a worker died while loading
+            raise self.tp.failed(exc) from None
+        for line in [rank.describe_pool(), *self.tp.wait_ready()]:
+            logger.info(line)
+        return rank
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args) -> "LLMEngine":
@@ -238,11 +260,16 @@ class LLMEngine:
         return None if self.idle_sessions is None else self.idle_sessions.seconds_to_next()
 
     def close(self) -> None:
-        """Saves what the KV tiers must keep across a restart (the disk tier) and stops their writer."""
-        if self.tiers is not None:
-            cached = self.kv_cache.pool.cached_blocks
-            self.tiers.close([block.block_id for block in cached.values()], list(cached))
-            self.tiers = None
+        """Saves what the KV tiers must keep across a restart (the disk tier), stops their writer, and stops
+        the tensor-parallel workers."""
+        tiers, self.tiers = getattr(self, "tiers", None), None
+        try:
+            if tiers is not None:
+                cached = self.kv_cache.pool.cached_blocks
+                tiers.close([block.block_id for block in cached.values()], list(cached))
+        finally:
+            if self.tp is not None:
+                self.tp.close()
 
     def step(self) -> list[RequestOutput]:
         self.offload_idle_sessions()
@@ -251,7 +278,7 @@ class LLMEngine:
             return []
         self.counters.num_steps += 1
         started = time.perf_counter()
-        step = self.runner.execute(scheduler_output.scheduled)
+        step = self._execute(scheduler_output.scheduled)
         if self.tiers is not None:  # what a load must beat: this engine's measured prefill speed
             prefill_tokens = sum(item.num_new_tokens for item in scheduler_output.scheduled if item.num_new_tokens > 1)
             self.tiers.note_prefill(prefill_tokens, time.perf_counter() - started)
@@ -266,6 +293,17 @@ class LLMEngine:
             self._append_token(request, token.token_id, token.logprobs, now)
             touched[self.child_parent[request.request_id]] = None
         return [self._output(parent_id) for parent_id in touched]
+
+    def _execute(self, scheduled) -> StepLogits:
+        plan = plan_step(scheduled, self.kv_cache)
+        if self.tp is None:
+            return ModelRunner.logits_of(plan, self.runner.run(plan.inputs))
+        self.tp.send_step(plan.inputs)
+        try:
+            logits = self.runner.run(plan.inputs)
+        except RuntimeError as exc:  # a collective failed: a worker died mid-step
+            raise self.tp.failed(exc) from None
+        return ModelRunner.logits_of(plan, logits)
 
     def _score_prompts(self, step: StepLogits) -> None:
         row = 0

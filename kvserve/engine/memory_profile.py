@@ -54,7 +54,7 @@ def run_profiling_passes(config: EngineConfig, loaded: LoadedModel, device: torc
     context_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                       model_cfg.max_position_embeddings)
     block_size = config.cache.block_size
-    kv_caches = allocate_kv_storage(model_cfg.num_hidden_layers, 1, block_size, model_cfg.num_key_value_heads,
+    kv_caches = allocate_kv_storage(model_cfg.num_hidden_layers, 1, block_size, loaded.num_kv_heads,
                                     model_cfg.head_dim, loaded.kv_dtype, device, config.cache.kv_cache_dtype)
     _prefill_forward(config, loaded, device, kv_caches, context_len)
     _decode_forward(config, loaded, device, kv_caches, context_len)

@@ -14,6 +14,7 @@ import torch
 from kvserve.config import EngineConfig, ModelLoadError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.pool_sizing import PoolTooSmall
+from kvserve.engine.tp_group import WorkerFailed
 
 
 class EngineStartError(Exception):
@@ -34,7 +35,7 @@ def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:
 def start_engine(config: EngineConfig) -> LLMEngine:
     try:
         return LLMEngine(config)
-    except (ModelLoadError, PoolTooSmall) as exc:
+    except (ModelLoadError, PoolTooSmall, WorkerFailed) as exc:
         raise EngineStartError(str(exc)) from None
     except NotImplementedError as exc:
         raise EngineStartError(str(exc), usage=True) from None

@@ -26,15 +26,17 @@ GIB = 2**30
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
 
 
-def build_tiers(cache: CacheConfig, loaded: LoadedModel, layers: list[LayerKVCache], kv_format: str) -> KVTiers | None:
+def build_tiers(cache: CacheConfig, loaded: LoadedModel, layers: list[LayerKVCache], kv_format: str,
+                copier: BlockCopier | None = None) -> KVTiers | None:
+    """`copier`: how blocks leave and enter the pool (default: this process's pool alone)."""
     if cache.kv_offloading_size is None and cache.kv_disk_path is None:
         return None
-    copier = BlockCopier(layers)
+    copier = copier or BlockCopier(layers)
     host = HostTier(int(cache.kv_offloading_size * GIB)) if cache.kv_offloading_size is not None else None
     disk = None
     if cache.kv_disk_path is not None:
         disk = DiskTier(cache.kv_disk_path, int(cache.kv_disk_size * GIB),
-                        fingerprint(loaded, layers, kv_format, cache.block_size), copier.payload_bytes)
+                        fingerprint(loaded, layers, kv_format, cache.block_size, copier.shards), copier.payload_bytes)
     tiers = KVTiers(copier, host, disk)
     logger.info("KV tiers: %s (%d B per block)", ", ".join(_describe(t) for t in tiers.tiers), copier.payload_bytes)
     return tiers
@@ -46,7 +48,7 @@ def _describe(tier) -> str:
     return f"disk {tier.capacity_bytes / GIB:g} GiB at {tier.path}"
 
 
-def fingerprint(loaded: LoadedModel, layers: list[LayerKVCache], kv_format: str, block_size: int) -> str:
+def fingerprint(loaded: LoadedModel, layers: list[LayerKVCache], kv_format: str, block_size: int, shards: int = 1) -> str:
     first = layers[0]
     identity = {
         "layout": LAYOUT_VERSION,
@@ -55,6 +57,7 @@ def fingerprint(loaded: LoadedModel, layers: list[LayerKVCache], kv_format: str,
         "kv_format": kv_format,
         "block_size": block_size,
         "num_layers": len(layers),
+        "tensor_parallel_size": shards,  # a payload holds every rank's KV heads
         "tensors": [[list(t.shape[1:]), str(t.dtype)] for t in first.tensors()],
         "fp8_scales": [[float(layer.key_tensor_scale), float(layer.value_tensor_scale)] for layer in layers
                        if layer.key_tensor_scale is not None],

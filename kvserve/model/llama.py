@@ -8,19 +8,19 @@ and decode; how they split into sequences is the attention metadata's business.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention import Attention, AttentionMetadata
 from kvserve.model.layers import GatedMLP, RMSNorm, empty_parameter, linear, pack_weight, weight_packing_available
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
+from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, all_reduce, embed, gather_logits
 
 
 class SelfAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.shard = shard
+        self.num_heads, self.num_kv_heads = shard.heads(config)  # this rank's share (all of them at TP 1)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -44,16 +44,17 @@ class SelfAttention(torch.nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, step.metadata)
-        return linear(out, self.o_proj)
+        return all_reduce(linear(out, self.o_proj), self.shard)  # row-parallel: the ranks' partial sums
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL) -> None:
         super().__init__()
+        self.shard = shard
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = SelfAttention(config, dtype)
+        self.self_attn = SelfAttention(config, dtype, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // shard.size, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: "ForwardStep", kv_cache: object | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,20 +67,22 @@ class DecoderLayer(torch.nn.Module):
             hidden = self.input_layernorm.add_and_norm(x, residual, step.kernels)
         hidden = self.self_attn(hidden, step, kv_cache)
         hidden = self.post_attention_layernorm.add_and_norm(hidden, residual, step.kernels)
-        return self.mlp(hidden, step.kernels), residual
+        return all_reduce(self.mlp(hidden, step.kernels), self.shard), residual
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.shard = shard  # which tensor-parallel rank's slice of the weights this model holds
+        vocab_rows = shard.vocab_rows_per_rank(config.vocab_size)
+        self.embed_tokens = _vocab_parameter(vocab_rows, config, dtype)
+        self.layers = torch.nn.ModuleList(DecoderLayer(config, dtype, shard) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied checkpoints share the embedding matrix; the loader then never fills lm_head (None: the head reads
         # embed_tokens), until pack_weights_for_cpu gives the head its own packed copy.
-        self.lm_head = None if config.tie_word_embeddings else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.lm_head = None if config.tie_word_embeddings else _vocab_parameter(vocab_rows, config, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         # The C++ module for fused CPU ops, or None (portable torch). Set after loading: see use_fused_kernels.
         self.fused_kernels = None
@@ -127,8 +130,9 @@ class LlamaForCausalLM(torch.nn.Module):
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits in the model's dtype for the tokens at `logits_indices` (all tokens when None); a consumer that
-        needs fp32 converts the rows it uses (a batch's [rows, vocab] copy is a large fresh allocation)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        needs fp32 converts the rows it uses (a batch's [rows, vocab] copy is a large fresh allocation). Under
+        tensor parallelism only rank 0 gets them; the other ranks return None."""
+        x = embed(input_ids, self.embed_tokens, self.config.vocab_size, self.shard)
         step = ForwardStep(positions, metadata, self.rotary, self.fused_kernels if x.device.type == "cpu" else None)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -139,7 +143,14 @@ class LlamaForCausalLM(torch.nn.Module):
             x = x.index_select(0, logits_indices)
         x = self.norm(x.contiguous(), step.kernels)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(x, head)
+        return gather_logits(linear(x, head), self.config.vocab_size, self.shard)
+
+
+def _vocab_parameter(rows: int, config: ModelConfig, dtype: torch.dtype) -> torch.nn.Parameter:
+    if rows == config.vocab_size:
+        return empty_parameter(rows, config.hidden_size, dtype=dtype)
+    # A vocabulary split unevenly: the last rank's padding rows stay zero (their logits are cut off).
+    return torch.nn.Parameter(torch.zeros(rows, config.hidden_size, dtype=dtype), requires_grad=False)
 
 
 class ForwardStep:

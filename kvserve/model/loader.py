@@ -22,6 +22,7 @@ from kvserve.model.hf_checkpoint import (
     count_safetensors_tensors, iter_safetensors, read_generation_config, read_hf_config, safetensors_files,
 )
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, check_shardable
 from kvserve.model.tokenizer import Tokenizer, load_hf_tokenizer
 from kvserve.model.weights import load_weights
 
@@ -45,6 +46,11 @@ class LoadedModel:
 
     def __post_init__(self) -> None:
         self.kv_dtype = self.kv_dtype or self.dtype
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this process computes and caches: all of them, or its tensor-parallel share."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     @property
     def weights_bytes(self) -> int:
@@ -124,36 +130,49 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_model(model: str | None = None, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(model: str | None = None, dtype: str = "auto", device: str | torch.device = "cpu",
+               shard: TensorShard = WHOLE_MODEL) -> LoadedModel:
+    """`shard`: the tensor-parallel rank whose slice of the weights to load (default: all of them)."""
     started = time.perf_counter()
     path = resolve_model_path(model)
     device = torch.device(device)
-    if path.suffix == ".gguf":
-        source = _GGUFSource(path)
-    else:
-        source = _HFSource(path)
+    source = _source(path)
     config = ModelConfig.from_hf_dict(source.config, source=str(source.config_file))
+    if shard.size > 1:
+        check_shardable(source.config, config, shard.size, str(source.config_file))
     torch_dtype, kv_dtype = resolve_dtypes(dtype, config, device)
     tokenizer = source.tokenizer()
     with torch.device(device):
-        net = LlamaForCausalLM(config, torch_dtype)
+        net = LlamaForCausalLM(config, torch_dtype, shard)
     with tqdm(total=source.num_tensors(), desc=f"Loading {path.name}", unit="tensor", leave=False) as bar:
         load_weights(net, source.tensors(torch_dtype), checkpoint=str(path), on_tensor=bar.update)
     net.eval()
     net.use_fused_kernels(device.type == "cpu")
-    if device.type == "cpu":
+    if device.type == "cpu" and shard.rank == 0:
         logger.info("%s", cpu_dispatch_line(torch_dtype, net.fused_kernels is not None, kv_dtype))
     weights_bytes = net.weight_bytes()
     num_params = sum(p.numel() for p in net.parameters())
     name = DEMO_MODEL_NAME if model is None else str(model)
+    rank = f" (tensor-parallel rank {shard.rank} of {shard.size})" if shard.size > 1 else ""
     logger.info(
-        "Loaded %s (%s) from %s: %.1fM parameters, %s, %.1f MiB of weights in %.1f s",
-        name, config.architecture, path, num_params / 1e6, str(torch_dtype).removeprefix("torch."),
+        "Loaded %s (%s) from %s%s: %.1fM parameters, %s, %.1f MiB of weights in %.1f s",
+        name, config.architecture, path, rank, num_params / 1e6, str(torch_dtype).removeprefix("torch."),
         weights_bytes / 2**20, time.perf_counter() - started,
     )
     return LoadedModel(
         net, config, tokenizer, source.generation_config(), path, name, torch_dtype, source.config, kv_dtype
     )
+
+
+def check_tensor_parallel(model: str | None, size: int) -> None:
+    """Refuses a --tensor-parallel-size the model cannot be split into, before any worker starts."""
+    source = _source(resolve_model_path(model))
+    config = ModelConfig.from_hf_dict(source.config, source=str(source.config_file))
+    check_shardable(source.config, config, size, str(source.config_file))
+
+
+def _source(path: Path):
+    return _GGUFSource(path) if path.suffix == ".gguf" else _HFSource(path)
 
 
 class _HFSource:

@@ -9,53 +9,97 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import ModelLoadError
+from kvserve.config import ModelConfig, ModelLoadError
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
+from kvserve.model.tensor_parallel import TensorShard
 
 
 @dataclass(slots=True)
 class Destination:
-    """Where one checkpoint tensor goes: rows [row_start, row_start + rows) of a parameter."""
+    """Where one checkpoint tensor goes: rows [row_start, row_start + rows) of a parameter.
+
+    Under tensor parallelism a rank takes a slice of the checkpoint tensor along `split_dim`, starting at
+    `split_start`, of a tensor that is `split_full` long there (None: the whole tensor, not split).
+    """
 
     parameter: torch.Tensor
     row_start: int
     rows: int
+    split_dim: int = 0
+    split_start: int = 0
+    split_full: int | None = None
+
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        shape = [self.rows, *self.parameter.shape[1:]]
+        if self.split_full is not None:
+            shape[self.split_dim] = self.split_full
+        return tuple(shape)
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.split_full is None:
+            return tensor
+        size = self.rows if self.split_dim == 0 else self.parameter.shape[self.split_dim]
+        return tensor.narrow(self.split_dim, self.split_start, size)
 
 
 def _whole(parameter: torch.Tensor) -> Destination:
     return Destination(parameter, 0, parameter.shape[0])
 
 
-def _layer_destinations(layer: DecoderLayer) -> dict[str, Destination]:
+def _rows(parameter: torch.Tensor, row_start: int, rows: int, shard_start: int, full: int) -> Destination:
+    """A column-parallel piece: this rank's `rows` rows, from row `shard_start` of the checkpoint's `full`."""
+    if rows == full:
+        return Destination(parameter, row_start, rows)
+    return Destination(parameter, row_start, rows, 0, shard_start, full)
+
+
+def _columns(parameter: torch.Tensor, shard_start: int, full: int) -> Destination:
+    """A row-parallel weight: this rank's columns, from column `shard_start` of the checkpoint's `full`."""
+    if parameter.shape[1] == full:
+        return _whole(parameter)
+    return Destination(parameter, 0, parameter.shape[0], 1, shard_start, full)
+
+
+def _layer_destinations(layer: DecoderLayer, config: ModelConfig, shard: TensorShard) -> dict[str, Destination]:
     attn, mlp = layer.self_attn, layer.mlp
     q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
+    q_start, kv_start, inter_start = shard.rank * q, shard.first_kv_head(config) * attn.head_dim, shard.rank * inter
+    q_full, kv_full = config.num_attention_heads * attn.head_dim, config.num_key_value_heads * attn.head_dim
+    inter_full = config.intermediate_size
     table = {
-        "self_attn.q_proj.weight": Destination(attn.qkv_proj, 0, q),
-        "self_attn.k_proj.weight": Destination(attn.qkv_proj, q, kv),
-        "self_attn.v_proj.weight": Destination(attn.qkv_proj, q + kv, kv),
-        "self_attn.o_proj.weight": _whole(attn.o_proj),
-        "mlp.gate_proj.weight": Destination(mlp.gate_up_proj, 0, inter),
-        "mlp.up_proj.weight": Destination(mlp.gate_up_proj, inter, inter),
-        "mlp.down_proj.weight": _whole(mlp.down_proj),
+        "self_attn.q_proj.weight": _rows(attn.qkv_proj, 0, q, q_start, q_full),
+        "self_attn.k_proj.weight": _rows(attn.qkv_proj, q, kv, kv_start, kv_full),
+        "self_attn.v_proj.weight": _rows(attn.qkv_proj, q + kv, kv, kv_start, kv_full),
+        "self_attn.o_proj.weight": _columns(attn.o_proj, q_start, q_full),
+        "mlp.gate_proj.weight": _rows(mlp.gate_up_proj, 0, inter, inter_start, inter_full),
+        "mlp.up_proj.weight": _rows(mlp.gate_up_proj, inter, inter, inter_start, inter_full),
+        "mlp.down_proj.weight": _columns(mlp.down_proj, inter_start, inter_full),
         "input_layernorm.weight": _whole(layer.input_layernorm.weight),
         "post_attention_layernorm.weight": _whole(layer.post_attention_layernorm.weight),
     }
     if attn.qkv_bias is not None:
         table |= {
-            "self_attn.q_proj.bias": Destination(attn.qkv_bias, 0, q),
-            "self_attn.k_proj.bias": Destination(attn.qkv_bias, q, kv),
-            "self_attn.v_proj.bias": Destination(attn.qkv_bias, q + kv, kv),
+            "self_attn.q_proj.bias": _rows(attn.qkv_bias, 0, q, q_start, q_full),
+            "self_attn.k_proj.bias": _rows(attn.qkv_bias, q, kv, kv_start, kv_full),
+            "self_attn.v_proj.bias": _rows(attn.qkv_bias, q + kv, kv, kv_start, kv_full),
         }
     return table
 
 
+def _vocab(parameter: torch.Tensor, config: ModelConfig, shard: TensorShard) -> Destination:
+    start, end = shard.vocab_rows(config.vocab_size)
+    return _rows(parameter, 0, end - start, start, config.vocab_size)
+
+
 def weight_destinations(model: LlamaForCausalLM) -> dict[str, Destination]:
-    """Every checkpoint tensor name the model needs, with where it goes."""
-    table = {"model.embed_tokens.weight": _whole(model.embed_tokens), "model.norm.weight": _whole(model.norm.weight)}
+    """Every checkpoint tensor name the model needs, with where it goes (this rank's slice of it)."""
+    config, shard = model.config, model.shard
+    table = {"model.embed_tokens.weight": _vocab(model.embed_tokens, config, shard),
+             "model.norm.weight": _whole(model.norm.weight)}
     if model.lm_head is not None:
-        table["lm_head.weight"] = _whole(model.lm_head)
+        table["lm_head.weight"] = _vocab(model.lm_head, config, shard)
     for index, layer in enumerate(model.layers):
-        for suffix, dest in _layer_destinations(layer).items():
+        for suffix, dest in _layer_destinations(layer, config, shard).items():
             table[f"model.layers.{index}.{suffix}"] = dest
     return table
 
@@ -79,11 +123,11 @@ def load_weights(
         if dest is None:
             _keep_kv_scale(model, name, tensor)
             continue
-        expected = (dest.rows, *dest.parameter.shape[1:])
+        expected = dest.checkpoint_shape()
         if tuple(tensor.shape) != expected:
             raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
         with torch.no_grad():
-            dest.parameter[dest.row_start : dest.row_start + dest.rows].copy_(tensor)
+            dest.parameter[dest.row_start : dest.row_start + dest.rows].copy_(dest.take(tensor))
         written.add(name)
     missing = [name for name in destinations if name not in written]
     _check_kv_scales(model, checkpoint)
