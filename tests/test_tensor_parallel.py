@@ -52,9 +52,15 @@ def worker_pids(llm: LLM) -> list[int]:
     return [p.pid for p in llm.engine.tp.processes]
 
 
+def gone(pid: int) -> bool:
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return True
+
+
 def assert_gone(pids: list[int]) -> None:
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert all(gone(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
@@ -157,29 +163,39 @@ def test_a_worker_killed_mid_run_fails_the_engine_naming_its_rank(tiny_model_dir
     assert_gone(pids)
 
 
-def test_server_with_a_dead_worker_fails_health_then_exits_nonzero(tiny_model_dir):
-    folder, _ = tiny_model_dir("llama")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
+def start_tp_server(folder, port: int) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(folder), "--dtype", "float32", "--device",
          "cpu", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--tensor-parallel-size", "2",
          "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", "--disable-uvicorn-access-log"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    try:
-        def healthy() -> bool:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
 
-        assert wait_until(healthy, timeout_s=120, interval_s=0.2), "server did not come up"
-        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-        workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
-        assert workers, "the server should have started a worker process"
+
+def wait_healthy(process: subprocess.Popen, url: str) -> list[int]:
+    """Waits for /health 200; returns the server's child processes (its tensor-parallel workers)."""
+    def healthy() -> bool:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    assert wait_until(healthy, timeout_s=120, interval_s=0.2), "server did not come up"
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+    assert workers, "the server should have started a worker process"
+    return workers
+
+
+def test_server_with_a_dead_worker_fails_health_then_exits_nonzero(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start_tp_server(folder, port)
+    try:
+        workers = wait_healthy(process, url)
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
         statuses = []
@@ -197,6 +213,22 @@ def test_server_with_a_dead_worker_fails_health_then_exits_nonzero(tiny_model_di
         output = process.stdout.read()
         assert "tensor-parallel worker rank 1" in output and "killed by signal 9" in output
         assert_gone(workers)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_killed_server_leaves_no_worker_behind(tiny_model_dir):
+    """SIGKILL gives rank 0 no chance to stop anyone: the workers see their pipe close and exit on their own."""
+    folder, _ = tiny_model_dir("llama")
+    port = free_port()
+    process = start_tp_server(folder, port)
+    try:
+        workers = wait_healthy(process, f"http://127.0.0.1:{port}")
+        process.kill()
+        process.wait(timeout=10)
+        assert wait_until(lambda: all(gone(pid) for pid in workers), timeout_s=10)
     finally:
         if process.poll() is None:
             process.kill()
