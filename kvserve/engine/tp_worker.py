@@ -70,7 +70,7 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def cpu_threads_per_rank(size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // size)
+    return max(1, len(os.sched_getaffinity(0)) // size)
 
 
 def worker_main(config: EngineConfig, rank: int, size: int, init_method: str, timeout_s: float,
@@ -87,16 +87,18 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str, ti
         conn.send((READY, state.describe_pool()))
         _serve(state, conn)
     except (EOFError, KeyboardInterrupt):
-        os._exit(0)  # rank 0 is gone: nothing to report to
+        return  # rank 0 is gone: nothing to report to
     except BaseException as exc:  # report to rank 0, then die: rank 0 fails with this message
         traceback.print_exc(file=sys.stderr)
         try:
             conn.send((FAILED, f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
-        os._exit(1)
-    dist.destroy_process_group()
-    os._exit(0)
+        sys.exit(1)
+    finally:
+        # A normal exit (not os._exit) runs the finalizers, so the resource tracker sees no leaked semaphore.
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _serve(state, conn: Connection) -> None:
