@@ -4,7 +4,10 @@ The formats and their byte counts are the planner's (planner/kv.py, `KVFormat`);
 
 - `fp8_e4m3`, `fp8_e5m2`: one byte per element, x / scale in the fp8 type, one fp32 scale per layer for K and
   one for V (vLLM's per-tensor `k_scale`/`v_scale`, 1.0 unless calibrated). Values beyond the type's range
-  saturate instead of becoming NaN.
+  saturate instead of becoming NaN. Rotated first, as int4 is (below): fp8's error is relative to each
+  element, so a q.k dominated by a few outlier channels that q and k share carries those channels' error
+  whole; spread over every channel it averages out (demo model, fp32, 4,000 tokens: e4m3 +2.78% perplexity
+  unrotated, +0.32% rotated; mean KLD 0.0143 against 0.0040).
 - `int8`: one byte per element, symmetric, one scale per (token, KV head) vector in one byte: an unsigned
   8-bit float with 5 exponent and 3 mantissa bits (`encode_scale_byte`, 2^-20 to 2^11 x 1.875), absmax / 127
   rounded up to the next such value. A power-of-two byte (OCP MX's E8M0) costs up to one bit of the
@@ -62,7 +65,7 @@ class KVCodec:
 
     @property
     def rotates(self) -> bool:
-        return self.name == "int4"
+        return self.name == "int4" or self.name in FP8_DTYPES
 
     def encode(self, x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [..., head_dim] (float) -> (data [..., data_dim], scales [..., scales_per_vector] fp16 or None)."""

@@ -59,6 +59,7 @@ def fingerprint(loaded: LoadedModel, layers: list[LayerKVCache], kv_format: str,
         "num_layers": len(layers),
         "tensor_parallel_size": shards,  # a payload holds every rank's KV heads
         "tensors": [[list(t.shape[1:]), str(t.dtype)] for t in first.tensors()],
+        "rotated": first.rotation is not None,  # blocks hold rotated K/V (int4, fp8)
         "fp8_scales": [[float(layer.key_tensor_scale), float(layer.value_tensor_scale)] for layer in layers
                        if layer.key_tensor_scale is not None],
     }
