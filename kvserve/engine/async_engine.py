@@ -31,6 +31,8 @@ from kvserve.engine.tp_group import WorkerFailed
 
 logger = logging.getLogger("kvserve.engine.async")
 
+WORKER_FAILURE_GRACE_S = 5.0
+
 # The pool-state census (free / cached / used blocks) walks the hash map, so it is refreshed at most this often
 # while busy; the cheap counters in EngineStats are refreshed every iteration.
 POOL_CENSUS_INTERVAL_S = 1.0
@@ -248,7 +250,7 @@ class AsyncLLMEngine:
             return
         tp = getattr(self.engine, "tp", None)
         if tp is not None:
-            tp.on_failure(lambda message: self._push(_Fail(WorkerFailed(message))))
+            tp.on_failure(self._worker_failed)
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -312,6 +314,22 @@ class AsyncLLMEngine:
         if waiting + num_children > limit and waiting > 0:
             # `waiting > 0`: one request with n above the limit is still served when the queue is empty.
             raise QueueFullError(f"{waiting} requests are waiting (--max-waiting-requests {limit}); retry later")
+
+    def _worker_failed(self, message: str) -> None:
+        """From the tensor-parallel watcher thread. The engine thread fails the engine at its next iteration;
+        if it cannot (stuck in a collective that does not notice a dead peer, as NCCL's may not), the engine
+        is declared dead from here after WORKER_FAILURE_GRACE_S, so /health and the server still react."""
+        error = WorkerFailed(message)
+        self._push(_Fail(error))
+
+        def declare_dead() -> None:
+            if self.state is not EngineState.DEAD:
+                logger.error("the engine thread did not stop after the worker failure; declaring the engine dead")
+                self._die(error)
+
+        timer = threading.Timer(WORKER_FAILURE_GRACE_S, declare_dead)
+        timer.daemon = True
+        timer.start()
 
     def _abort(self, request_id: str) -> None:
         self._push(_Abort(request_id))
