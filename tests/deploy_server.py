@@ -20,16 +20,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(url: str, process: subprocess.Popen, log_path: str, timeout_s: float = 120.0) -> None:
+def wait_ready(url: str, process: subprocess.Popen, log_path: str, timeout_s: float = 120.0) -> None:
+    """Until GET url answers 200; fails with the process's log if it exits or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
-            raise AssertionError(f"kvserve serve exited {process.returncode}:\n{open(log_path).read()[-3000:]}")
+            raise AssertionError(f"{process.args[0]} exited {process.returncode}:\n{open(log_path).read()[-3000:]}")
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(url, timeout=1).status_code == 200:
                 return
-        assert time.monotonic() < deadline, f"kvserve serve did not come up:\n{open(log_path).read()[-3000:]}"
+        assert time.monotonic() < deadline, f"{url} did not answer:\n{open(log_path).read()[-3000:]}"
         time.sleep(0.1)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextlib.contextmanager
@@ -43,13 +53,8 @@ def running_kvserve(args: list[str]) -> Iterator[str]:
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, process, log.name)
+        wait_ready(f"{url}/health", process, log.name)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
         os.unlink(log.name)

@@ -7,13 +7,12 @@ import contextlib
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import yaml
-from deploy_server import free_port
+from deploy_server import free_port, stop, wait_ready
 from promql_names import RULE_FILES
 
 PROMETHEUS = shutil.which("prometheus")
@@ -58,20 +57,8 @@ def running_prometheus(job: str, targets: list[str], workdir: Path, window: str 
          f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, (workdir / "prometheus.log").read_text()[-3000:]
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.1)
+        wait_ready(f"{url}/-/ready", process, str(workdir / "prometheus.log"), timeout_s=60)
         yield Prometheus(url)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
         log.close()
