@@ -4,7 +4,10 @@ kvserve's own parsers and config loader, the probes hit routes the servers have 
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from urllib.parse import urlsplit
 
 import pytest
@@ -71,7 +74,9 @@ def engine_args(manifests: Rendered, tmp_path):
     pod = engine["spec"]["template"]["spec"]
     main = container(engine, "engine")
     entrypoint = dockerfile_entrypoint()
-    assert entrypoint[0] == "kvserve" and "command" not in main  # the image's `kvserve serve`
+    shell, flag, script, _ = main["command"]
+    # The image's entrypoint with the container's args, after the stale-lock cleanup.
+    assert (shell, flag) == ("sh", "-c") and script.endswith(f'&& exec {" ".join(entrypoint)} "$@"')
     argv = entrypoint[1:] + main["args"]
     config_path = argv[argv.index("--config") + 1]
     return parse_command_line(argv, manifests.mounted_config(pod, main, config_path), tmp_path), engine, main
@@ -193,3 +198,17 @@ def test_service_monitor_component_selects_the_engines_metrics_port(tmp_path):
         assert len(selected) == 1
         ports = {p["name"] for p in selected[0]["spec"]["ports"]}
         assert all(e["port"] in ports and e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
+
+
+def test_engine_command_clears_stale_kernel_build_locks_then_runs_kvserve_serve(tmp_path):
+    """The container's shell line, run for real: a lock left by a killed build is gone, and `kvserve serve`
+    gets the container's args (here --help, which exits 0 after printing serve's flags)."""
+    main = container(rendered("cpu").one("StatefulSet", "kvserve-engine"), "engine")
+    stale = tmp_path / "kvserve_cpu_kernels_avx2" / "lock"
+    stale.parent.mkdir()
+    stale.touch()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path),
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    result = subprocess.run([*main["command"], "--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--kv-disk-path" in result.stdout and not stale.exists()

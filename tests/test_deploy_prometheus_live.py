@@ -9,7 +9,6 @@ the second."""
 from __future__ import annotations
 
 import random
-import shutil
 import threading
 import time
 
