@@ -1,5 +1,5 @@
-"""deploy/prometheus's rules in a real Prometheus scraping live `kvserve serve`s, and every metric that the rules
-and the Grafana dashboard query exported by a live kvserve.
+"""deploy/ against live `kvserve serve`s: the rules in a real Prometheus scraping them, every metric the rules and
+the Grafana dashboard query on their /metrics, and the gateway pod's wait for its engines.
 
 Two engines on the tiny test model, told apart by --served-model-name: one gets prompts that share nothing
 (random token ids), the other prompts that share a 192-token prefix. With the rules' windows and `for:`
@@ -9,12 +9,16 @@ the second."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
-from deploy_server import running_kvserve
+import yaml
+from deploy_manifests import DEPLOY, Rendered, needs_kubectl, render
+from deploy_server import free_port, running_kvserve
 from prometheus_harness import PROMETHEUS, running_prometheus
 from promql_names import dashboard_expressions, metric_names, recorded_names, rules
 
@@ -127,3 +131,23 @@ def wait_for_alert(prometheus, name: str, model_name: str, timeout_s: float) -> 
                 return alert
         time.sleep(0.5)
     raise AssertionError(f"{name} for {model_name} did not fire in {timeout_s} s: {prometheus.alerts()}")
+
+
+@needs_kubectl
+def test_gateway_pod_waits_until_every_engine_answers_health(engines, tmp_path):
+    """The gateway's init container, run for real on the backends its config lists: done once all are healthy,
+    still waiting while one is not (the gateway itself would refuse to start then)."""
+    gateway = Rendered(render(DEPLOY / "overlays" / "cpu")).one("Deployment", "kvserve-gateway")
+    init = gateway["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"][:2] == ["python", "-c"]
+    script = init["command"][2]
+
+    def wait_for(backends: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({"backend": backends}))
+        return subprocess.run([sys.executable, "-c", script.replace("/etc/kvserve/gateway.yaml", str(config))],
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    assert wait_for(list(engines.values()), 60).returncode == 0
+    with pytest.raises(subprocess.TimeoutExpired):
+        wait_for([*engines.values(), f"http://127.0.0.1:{free_port()}"], 3)
