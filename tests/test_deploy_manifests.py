@@ -120,7 +120,7 @@ def test_disk_tier_and_host_tier_fit_their_volume_and_memory(overlay, tmp_path):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_gateway_routes_to_every_engine_pod_and_the_redis_service(overlay, tmp_path):
+def test_gateway_routes_to_every_engine_pod_and_the_redis_service(overlay, tmp_path, monkeypatch):
     from kvserve.gateway.app import build_app
     from kvserve.gateway.cli import settings_from_args
 
@@ -128,6 +128,8 @@ def test_gateway_routes_to_every_engine_pod_and_the_redis_service(overlay, tmp_p
     serve_args, engine, _ = engine_args(manifests, tmp_path)
     gateway = manifests.one("Deployment", "kvserve-gateway")
     main = container(gateway, "gateway")
+    for variable in main["env"]:  # what the gateway process sees (its parser reads defaults from the environment)
+        monkeypatch.setenv(variable["name"], variable["value"])
     argv = main["command"][1:] + main["args"]
     assert main["command"][0] == "kvserve"
     config_path = argv[argv.index("--config") + 1]
