@@ -46,7 +46,7 @@ def check_deployable(plan: Plan) -> None:
     if plan.request.tensor_parallel_size > 1 or plan.request.pipeline_parallel_size > 1:
         raise PlannerError("--emit-config: kvserve serve runs one GPU per engine (tensor and pipeline parallelism "
                            "are not built yet); plan with -tp 1 -pp 1")
-    if plan.weights.quant.method != "none":
+    if plan.weights.quant.method not in ("none", "gguf"):  # GGUF files load (dequantized)
         raise PlannerError(f"--emit-config: kvserve serve does not load {plan.weights.quant.label} weights yet; "
                            "plan an unquantized checkpoint")
     catalog = {gpu.name for gpu in GPU_CATALOG}

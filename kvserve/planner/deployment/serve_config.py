@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import yaml
 
@@ -18,12 +18,21 @@ def model_path(model_arg: str) -> str:
     return str(PurePosixPath(MODELS_DIR) / PurePosixPath(model_arg.rstrip("/")).name)
 
 
+def served_name(model_arg: str) -> str:
+    """What clients send as `model`: a registry id as given; a local checkpoint by its name, not this machine's
+    path (a .gguf without the suffix, as kvserve names the demo model)."""
+    path = Path(model_arg)
+    if not path.exists():
+        return model_arg
+    return path.name.removesuffix(".gguf")
+
+
 def serve_options(plan: Plan, model_arg: str, sizing: PodSizing) -> list[tuple[str, object, str]]:
     """(flag, value, why) in the order a reader wants them."""
     request = plan.request
     return [
-        ("model", model_path(model_arg), "copy the checkpoint folder to the kvserve-models volume"),
-        ("served-model-name", [plan.spec.name], "the name clients send"),
+        ("model", model_path(model_arg), "copy the checkpoint there: the kvserve-models volume"),
+        ("served-model-name", [served_name(model_arg)], "the name clients send"),
         ("device", "cuda", ""),
         ("dtype", plan.model_dtype, ""),
         ("gpu-memory-utilization", request.gpu_memory_utilization, ""),
