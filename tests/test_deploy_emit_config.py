@@ -89,6 +89,8 @@ def test_overlay_emitted_outside_the_repository_renders_and_validates(tmp_path, 
     (["--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "L4"], "this plan cannot start"),
     (["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "MI300X"], "no NVIDIA node label for MI300X"),
     (["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "L4", "--quantization", "awq"], "does not load awq"),
+    (["--model", "Qwen/Qwen2.5-7B-Instruct"], "give --gpu NAME"),
+    (["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "L4", "--compare", "gpus"], "without --compare"),
 ])
 def test_plans_kvserve_serve_cannot_start_are_refused_and_nothing_is_written(plan_args, message, tmp_path, capsys):
     out = tmp_path / "overlay"

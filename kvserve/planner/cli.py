@@ -111,13 +111,16 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise PlannerError("--model is required (or use --table / --list-gpus)")
     spec = load_spec(args.model)
     request = request_from_args(args)
+    if args.emit_config and (args.compare or (request.gpu is None and request.gpu_memory_gib is None)):
+        raise PlannerError("--emit-config writes one plan's deployment: give --gpu NAME (or --gpu-memory GIB), "
+                           "without --compare")
     if args.compare:
         return _run_comparison(args, console, spec, request)
     if request.gpu is None and request.gpu_memory_gib is None:
         return _run_without_gpu(args, console, spec, request)
     plan = make_plan(spec, request)
     if args.emit_config:
-        check_deployable(plan)  # before anything is printed: a refused plan writes nothing
+        check_deployable(plan, args.emit_config)  # before anything is printed: a refused plan writes nothing
     fixes = suggest_fixes(plan)
     _emit_json(plan_to_dict(plan, fixes)) if args.json else render_plan(console, plan, fixes)
     if args.emit_config:

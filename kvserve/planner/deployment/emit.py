@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import fields
 from pathlib import Path
 
@@ -30,16 +31,18 @@ _FLAGS = {"gpu": "--gpu", "gpu_memory_gib": "--gpu-memory", "tensor_parallel_siz
 def plan_command(model_arg: str, request: PlanRequest) -> str:
     """The `kvserve plan` command that writes these files again (flags left at their defaults omitted)."""
     defaults = PlanRequest()
-    words = ["kvserve plan --model", model_arg]
+    words = ["kvserve", "plan", "--model", model_arg]
     for field in fields(PlanRequest):
         value = getattr(request, field.name)
         if value != getattr(defaults, field.name):
             words += [_FLAGS[field.name], str(value)]
-    return " ".join(words + ["--emit-config DIR"])
+    return shlex.join(words) + " --emit-config DIR"
 
 
-def check_deployable(plan: Plan) -> None:
-    """What kvserve serve could not start from, refused before any file is written."""
+def check_deployable(plan: Plan, out_dir: Path) -> None:
+    """What kvserve serve could not start from, or an overlay with no base to point at, refused before anything
+    is printed or written."""
+    deploy_root(out_dir)
     if plan.verdict.status in (DOES_NOT_LOAD, STARTUP_ERROR):
         raise PlannerError(f"--emit-config: this plan cannot start ({plan.verdict.headline}); "
                            "change the flags until `kvserve plan` says it fits")
@@ -69,7 +72,7 @@ def deploy_root(out_dir: Path) -> str:
 
 
 def emit_config(plan: Plan, model_arg: str, out_dir: Path) -> list[Path]:
-    check_deployable(plan)
+    check_deployable(plan, out_dir)
     root = deploy_root(out_dir)
     sizing = pod_sizing(plan)
     header = [f"Written by: {plan_command(model_arg, plan.request)}",
