@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
 from kvserve.planner.advice import suggest_fixes
 from kvserve.planner.compare import compare_gpus, compare_kv_dtypes, reference_rows
+from kvserve.planner.deployment.emit import check_deployable, emit_config
 from kvserve.planner.dtypes import MODEL_DTYPE_CHOICES
 from kvserve.planner.errors import PlannerError
 from kvserve.planner.kv import KV_CACHE_DTYPES
@@ -78,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--table", action="store_true", help="KV reference table for the built-in registry")
     output.add_argument("--list-gpus", action="store_true", help="print the GPU catalog")
     output.add_argument("--check", action="store_true", help="exit 1 when the plan does not fit (for CI)")
+    output.add_argument("--emit-config", type=Path, metavar="DIR",
+                        help="also write the deployment: serve.yaml (kvserve serve --config), a kustomize overlay "
+                             "of deploy/base for this GPU and bench.sh, the day-2 test against the endpoint")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,13 +111,21 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise PlannerError("--model is required (or use --table / --list-gpus)")
     spec = load_spec(args.model)
     request = request_from_args(args)
+    if args.emit_config and (args.compare or (request.gpu is None and request.gpu_memory_gib is None)):
+        raise PlannerError("--emit-config writes one plan's deployment: give --gpu NAME (or --gpu-memory GIB), "
+                           "without --compare")
     if args.compare:
         return _run_comparison(args, console, spec, request)
     if request.gpu is None and request.gpu_memory_gib is None:
         return _run_without_gpu(args, console, spec, request)
     plan = make_plan(spec, request)
+    if args.emit_config:
+        check_deployable(plan, args.emit_config)  # before anything is printed: a refused plan writes nothing
     fixes = suggest_fixes(plan)
     _emit_json(plan_to_dict(plan, fixes)) if args.json else render_plan(console, plan, fixes)
+    if args.emit_config:
+        written = emit_config(plan, args.model, args.emit_config)
+        print("\n".join(f"wrote {path}" for path in written), file=sys.stderr if args.json else sys.stdout)
     return 1 if args.check and not plan.verdict.fits else 0
 
 
