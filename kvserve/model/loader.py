@@ -128,10 +128,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     started = time.perf_counter()
     path = resolve_model_path(model)
     device = torch.device(device)
-    if path.suffix == ".gguf":
-        source = _GGUFSource(path)
-    else:
-        source = _HFSource(path)
+    source = _source(path)
     config = ModelConfig.from_hf_dict(source.config, source=str(source.config_file))
     torch_dtype, kv_dtype = resolve_dtypes(dtype, config, device)
     tokenizer = source.tokenizer()
@@ -154,6 +151,15 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     return LoadedModel(
         net, config, tokenizer, source.generation_config(), path, name, torch_dtype, source.config, kv_dtype
     )
+
+
+def load_tokenizer(model: str | None = None):
+    """The model's tokenizer and chat template alone, without its weights (`kvserve advise` re-renders prompts)."""
+    return _source(resolve_model_path(model)).tokenizer()
+
+
+def _source(path: Path):
+    return _GGUFSource(path) if path.suffix == ".gguf" else _HFSource(path)
 
 
 class _HFSource:

@@ -49,7 +49,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     ctx: ServerContext = app.state.ctx
     if ctx.settings.log_requests_file:
-        ctx.request_log = RequestLog(ctx.settings.log_requests_file, pool_geometry(ctx.engine.engine.kv_cache))
+        geometry = pool_geometry(ctx.engine.engine.kv_cache, str(ctx.engine.engine.loaded.path))
+        ctx.request_log = RequestLog(ctx.settings.log_requests_file, geometry)
     ctx.engine.start()
     stats_task = None
     if ctx.settings.log_stats_interval_s:

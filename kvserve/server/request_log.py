@@ -41,10 +41,12 @@ class PoolGeometry:
     num_blocks: int
     enable_prefix_caching: bool
     hash_algo: str
+    model_path: str | None = None  # where `kvserve advise` finds the tokenizer and chat template
 
     def as_dict(self) -> dict:
         return {"block_size": self.block_size, "num_blocks": self.num_blocks,
-                "enable_prefix_caching": self.enable_prefix_caching, "hash_algo": self.hash_algo}
+                "enable_prefix_caching": self.enable_prefix_caching, "hash_algo": self.hash_algo,
+                "model_path": self.model_path}
 
 
 @dataclass(slots=True)
@@ -146,9 +148,9 @@ class RequestLog:
         self._file.write(line + "\n")
 
 
-def pool_geometry(kv_cache) -> PoolGeometry:
+def pool_geometry(kv_cache, model_path: str | None) -> PoolGeometry:
     return PoolGeometry(kv_cache.block_size, kv_cache.num_blocks, kv_cache.enable_prefix_caching,
-                        kv_cache.hasher.hash_algo)
+                        kv_cache.hasher.hash_algo, model_path)
 
 
 def log_request(request_log: RequestLog | None, job, endpoint: str, request_id: str, model: str,

@@ -1,0 +1,107 @@
+"""One advisor run: replay the log as it is, find what breaks prefixes, and replay each fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.advise.fixes import (
+    Texts, move_span, original_texts, pin_system_prompt, remove_span, render_segments,
+)
+from kvserve.advise.records import LoadedLog, PoolShape, PromptRecord
+from kvserve.advise.rendering import Renderer
+from kvserve.advise.replay import ReplayResult, hit_rate, replay
+from kvserve.advise.spans import DynamicSpanFinding, find_dynamic_spans
+from kvserve.advise.templates import TemplateVariants, canonical_token_ids, find_template_variants
+from kvserve.advise.versions import Versions, find_versions
+
+
+@dataclass(slots=True)
+class FixPrediction:
+    finding: str  # "span 1", "versions", "template 1", "all"
+    action: str  # what to change, in words
+    hit_rate: float  # replayed after the fix
+    num_changed: int  # requests the fix rewrote
+
+
+@dataclass(slots=True)
+class Analysis:
+    records: list[PromptRecord]
+    pool: PoolShape
+    logged_hit_rate: float | None  # from the engine's cached tokens; None for request bodies
+    replayed: ReplayResult  # the log as it is
+    spans: list[DynamicSpanFinding]
+    versions: Versions
+    variants: list[TemplateVariants]
+    fixes: list[FixPrediction] = field(default_factory=list)
+
+    @property
+    def hits_per_record(self) -> list[int]:
+        """Logged cached tokens where the log has them, else the replay's."""
+        if self.logged_hit_rate is None:
+            return self.replayed.hit_tokens
+        return [record.cached_tokens or 0 for record in self.records]
+
+
+def analyse(log: LoadedLog, renderer: Renderer, min_sightings: int = 2) -> Analysis:
+    records, pool = log.records, log.pool
+    replayed = replay(records, pool)
+    logged = _logged_hit_rate(records) if log.from_server_log else None
+    spans = find_dynamic_spans(records, min_sightings)
+    texts = original_texts(records)
+    hits = replayed.hit_tokens if logged is None else [record.cached_tokens or 0 for record in records]
+    versions = find_versions(records, texts, hits, replayed.prompt_tokens, spans)
+    variants = find_template_variants(records, spans)
+    analysis = Analysis(records, pool, logged, replayed, spans, versions, variants)
+    analysis.fixes = predict_fixes(analysis, texts, renderer)
+    return analysis
+
+
+def move_action(span: DynamicSpanFinding) -> str:
+    sentence = f"the sentence with the {span.kind}" + (f" ({span.anchor.strip()!r} ...)" if span.anchor.strip() else "")
+    if span.role == "prompt":
+        return f"move {sentence} after the prompt's static part"
+    return f"move {sentence} to the end of {span.where}, after the static part"
+
+
+def _logged_hit_rate(records: list[PromptRecord]) -> float | None:
+    known = [record for record in records if record.cached_tokens is not None]
+    if not known:
+        return None
+    return hit_rate(sum(r.cached_tokens for r in known), sum(len(r.token_ids or []) for r in known))
+
+
+def predict_fixes(analysis: Analysis, texts: Texts, renderer: Renderer) -> list[FixPrediction]:
+    records, pool = analysis.records, analysis.pool
+    fixes: list[FixPrediction] = []
+    combined = texts
+
+    def score(edited: Texts) -> tuple[float, int]:
+        token_ids, num_changed = render_segments(records, edited, renderer)
+        return replay(records, pool, token_ids).hit_rate, num_changed
+
+    for number, span in enumerate(analysis.spans, start=1):
+        moved = move_span(records, texts, span)
+        rate, changed = score(moved)
+        fixes.append(FixPrediction(f"span {number}", move_action(span), rate, changed))
+        rate, changed = score(remove_span(records, texts, span))
+        fixes.append(FixPrediction(f"span {number}", f"remove the sentence with the {span.kind}", rate, changed))
+        combined = move_span(records, combined, span)
+    versions = analysis.versions
+    if len(versions.versions) > 1:
+        pinned = max(versions.versions, key=lambda version: len(version.positions))
+        edited = pin_system_prompt(records, texts, versions.version_of, pinned.number, pinned.text)
+        rate, changed = score(edited)
+        fixes.append(FixPrediction("versions", f"pin system prompt v{pinned.number}", rate, changed))
+        # In the combination the pinned text is the pinned version's own request with its spans moved too.
+        combined = pin_system_prompt(records, combined, versions.version_of, pinned.number,
+                                     combined[pinned.positions[0]][0])
+    for number, group in enumerate(analysis.variants, start=1):
+        rewritten, changed = canonical_token_ids(records, group, renderer)
+        token_ids = [rewritten.get(position, record.token_ids or []) for position, record in enumerate(records)]
+        fixes.append(FixPrediction(f"template {number}", "render it one way (the most common)",
+                                   replay(records, pool, token_ids).hit_rate, changed))
+    if len(fixes) > 2 and combined is not texts:
+        rate, changed = score(combined)
+        fixes.append(FixPrediction("all", "every span moved" + (" and one system prompt pinned"
+                                                                if len(versions.versions) > 1 else ""), rate, changed))
+    return fixes
