@@ -12,7 +12,7 @@ import re
 
 from kvserve.advise.records import CHAT, PromptRecord
 from kvserve.advise.rendering import Renderer
-from kvserve.advise.spans import DynamicSpanFinding, pattern_after, segments, sentence_bounds
+from kvserve.advise.spans import DynamicSpanFinding, common_prefix, pattern_after, segments, sentence_bounds
 
 Texts = list[list[str]]  # per record, per segment
 _BREAK_BEFORE = re.compile(r"[\s\S]*(?:[.!?]\s|\n)")
@@ -87,10 +87,7 @@ def _neighbour_rest(cuts: list, position: int) -> str | None:
 
 def _static_end(text: str, neighbour: str) -> int:
     """Where `text` stops matching `neighbour`, moved back to the last sentence or line break before it."""
-    limit = min(len(text), len(neighbour))
-    index = 0
-    while index < limit and text[index] == neighbour[index]:
-        index += 1
+    index = common_prefix(text, neighbour)
     head = _BREAK_BEFORE.match(text[:index])
     return head.end() if head else index
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from kvserve.advise.records import PoolShape, PromptRecord
 from kvserve.cache.kv_cache_manager import KVCacheManager
 
-UNBOUNDED_POOL_BLOCKS = 1 << 22  # when the pool size is unknown: large enough that nothing is evicted
 
 
 @dataclass(slots=True)
@@ -45,7 +44,7 @@ def hit_rate(hits: int, queries: int) -> float:
 
 def replay(records: list[PromptRecord], pool: PoolShape, token_ids: list[list[int]] | None = None) -> ReplayResult:
     """`token_ids`: per record, the prompt to replay instead of the record's own (a fix's rewrite)."""
-    num_blocks = pool.num_blocks or UNBOUNDED_POOL_BLOCKS
+    num_blocks = pool.num_blocks or _blocks_for_everything(records, pool.block_size, token_ids)
     manager = KVCacheManager(num_blocks, pool.block_size, True, pool.hash_algo)
     hits, queries, num_unplaced = [], [], 0
     for position, record in enumerate(records):
@@ -60,6 +59,14 @@ def replay(records: list[PromptRecord], pool: PoolShape, token_ids: list[list[in
         hits.append(record_hits)
         queries.append(len(prompt) * max(1, len(record.output_token_ids)))
     return ReplayResult(hits, queries, num_unplaced)
+
+
+def _blocks_for_everything(records: list[PromptRecord], block_size: int, token_ids: list[list[int]] | None) -> int:
+    """A pool size for an unknown pool: every block of every request fits, so nothing is ever evicted."""
+    prompts = token_ids if token_ids is not None else [record.token_ids or [] for record in records]
+    tokens = sum((len(prompt) + sum(len(output) for output in record.output_token_ids) + block_size)
+                 * max(1, len(record.output_token_ids)) for prompt, record in zip(prompts, records))
+    return tokens // block_size + 1
 
 
 def _run_request(manager: KVCacheManager, request: _ReplayRequest, output: list[int]) -> int | None:

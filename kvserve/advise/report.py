@@ -35,7 +35,7 @@ def report_dict(analysis: Analysis, source: str) -> dict:
         ],
         "version_changes": [
             {"time": change.time, "request": change.position, "from": change.old, "to": change.new,
-             "char_offset": change.char_offset, "old_excerpt": change.old_excerpt, "new_excerpt": change.new_excerpt,
+             "char_offset": change.char_offset, "token_offset": change.token_offset, "old_excerpt": change.old_excerpt, "new_excerpt": change.new_excerpt,
              "hit_rate_before": change.hit_rate_before, "hit_rate_after": change.hit_rate_after}
             for change in analysis.versions.changes
         ],
@@ -110,9 +110,10 @@ def _print_versions(report: dict, console: Console) -> None:
     changes = report["version_changes"]
     if changes:
         table = _table("system-prompt changes (hit rate of the requests just before and after)",
-                       ["when", "change", "differs at char", "was", "now", "hit rate before", "after"])
+                       ["when", "change", "differs at", "was", "now", "hit rate before", "after"])
         for change in changes:
-            table.add_row(clock(change["time"]), f"v{change['from']} -> v{change['to']}", str(change["char_offset"]),
+            table.add_row(clock(change["time"]), f"v{change['from']} -> v{change['to']}",
+                          f"char {change['char_offset']}, token {change['token_offset']}",
                           repr(change["old_excerpt"]), repr(change["new_excerpt"]),
                           percent(change["hit_rate_before"]), percent(change["hit_rate_after"]))
         console.print(table)

@@ -26,7 +26,6 @@ SPAN_PATTERNS: dict[str, str] = {
     "number": r"\d+(?:[.,]\d+)*",
 }
 VARYING_WORD = "varying word"
-VARYING_TEXT = "varying text"
 _COMPILED = {kind: re.compile(pattern) for kind, pattern in SPAN_PATTERNS.items()}
 _WORD = re.compile(r"[\w'-]+")
 # Kinds masked when grouping system prompts into versions: never part of a deliberate edit.
@@ -104,36 +103,53 @@ def compare_records(previous: PromptRecord, current: PromptRecord, position: int
             return []
         if text_a == text_b:
             continue
-        shared_after = _common_suffix(text_a, text_b) + sum(
-            len(b) for (_, a), (_, b) in zip(before[segment + 1:], after[segment + 1:]) if a == b)
-        if shared_after < MIN_SHARED_AFTER_CHARS:
+        region = differing_region(text_a, text_b, before[segment + 1:], after[segment + 1:])
+        if region is None:
             return []  # the usual unique tail (a user's question), not dynamic content
-        token_offset = _common_prefix(previous.token_ids or [], current.token_ids or [])
+        token_offset = common_prefix(previous.token_ids or [], current.token_ids or [])
         return [SpanSighting(position, segment, role_b, kind, text_b[start:end], start, token_offset,
                              anchor_before(text_b, start))
-                for kind, start, end in differing_spans(text_a, text_b)]
+                for kind, start, end in differing_spans(text_b, *region)]
     return []
 
 
-def differing_spans(text_a: str, text_b: str) -> list[tuple[str, int, int]]:
-    """(kind, start, end) in text_b of each short run where the texts differ, widened to the value it is in."""
-    prefix = _common_prefix(text_a, text_b)
-    suffix = min(_common_suffix(text_a, text_b), len(text_a) - prefix, len(text_b) - prefix)
-    middle_a, middle_b = text_a[prefix:len(text_a) - suffix], text_b[prefix:len(text_b) - suffix]
-    if max(len(middle_a), len(middle_b)) > 4 * MAX_SPAN_CHARS:
-        return [(VARYING_TEXT, prefix, len(text_b) - suffix)]
+def differing_region(text_a: str, text_b: str, later_a: list, later_b: list) -> tuple[str, str, int] | None:
+    """(the differing text of a, of b, where it starts) when the texts agree again on MIN_SHARED_AFTER_CHARS
+    within MAX_SPAN_CHARS of their first difference: inside the part, or at its end and on into the next parts."""
+    start = common_prefix(text_a, text_b)
+    window_a = text_a[start:start + MAX_SPAN_CHARS + MIN_SHARED_AFTER_CHARS]
+    for skip_b in range(MAX_SPAN_CHARS + 1):
+        probe = text_b[start + skip_b:start + skip_b + MIN_SHARED_AFTER_CHARS]
+        if len(probe) < MIN_SHARED_AFTER_CHARS:
+            break
+        skip_a = window_a.find(probe)
+        if skip_a >= 0:
+            return text_a[start:start + skip_a], text_b[start:start + skip_b], start
+    suffix = min(common_suffix(text_a, text_b), len(text_a) - start, len(text_b) - start)
+    shared_later = 0
+    for (_, later_text_a), (_, later_text_b) in zip(later_a, later_b):
+        if later_text_a != later_text_b:
+            break
+        shared_later += len(later_text_b)
+    middle_a, middle_b = text_a[start:len(text_a) - suffix], text_b[start:len(text_b) - suffix]
+    if suffix + shared_later < MIN_SHARED_AFTER_CHARS or max(len(middle_a), len(middle_b)) > MAX_SPAN_CHARS:
+        return None
+    return middle_a, middle_b, start
+
+
+def differing_spans(text_b: str, middle_a: str, middle_b: str, start: int) -> list[tuple[str, int, int]]:
+    """(kind, start, end) in text_b of each run where the middles differ, widened to the value it is in."""
     matcher = SequenceMatcher(None, middle_a, middle_b, autojunk=False)
     spans: list[tuple[str, int, int]] = []
     for tag, _, _, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
             continue
-        span = classify(text_b, prefix + j1, prefix + j2)
+        span = classify(text_b, start + j1, start + j2)
         if spans and span[1] < spans[-1][2]:  # overlaps the previous one: the same value
-            kind, start, end = spans.pop()
-            span = (kind, start, max(end, span[2]))
+            kind, first, last = spans.pop()
+            span = (kind, first, max(last, span[2]))
         spans.append(span)
-    return [span for span in spans if span[2] - span[1] <= MAX_SPAN_CHARS] or (
-        [(VARYING_TEXT, spans[0][1], spans[-1][2])] if spans else [])
+    return spans
 
 
 def classify(text: str, start: int, end: int) -> tuple[str, int, int]:
@@ -179,7 +195,7 @@ def pattern_after(anchor: str, kind: str) -> re.Pattern:
     return re.compile(re.escape(anchor) + f"(?:{value})")
 
 
-def _common_prefix(a, b) -> int:
+def common_prefix(a, b) -> int:
     limit = min(len(a), len(b))
     index = 0
     while index < limit and a[index] == b[index]:
@@ -187,7 +203,7 @@ def _common_prefix(a, b) -> int:
     return index
 
 
-def _common_suffix(a, b) -> int:
+def common_suffix(a, b) -> int:
     limit = min(len(a), len(b))
     index = 0
     while index < limit and a[-1 - index] == b[-1 - index]:

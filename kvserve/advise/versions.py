@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from kvserve.advise.records import PromptRecord
 from kvserve.advise.replay import hit_rate
-from kvserve.advise.spans import DynamicSpanFinding, mask_volatile, pattern_after
+from kvserve.advise.spans import DynamicSpanFinding, common_prefix, mask_volatile, pattern_after
 
-CHANGE_WINDOW = 8  # requests before and after a change whose hit rates are compared
+CHANGE_WINDOW = 4  # requests before and after a change whose hit rates are compared: the first ones show the drop
 MAX_HEAD_CHARS = 4000
 
 
@@ -38,6 +38,7 @@ class VersionChange:
     hit_rate_before: float
     hit_rate_after: float
     char_offset: int  # where the two texts first differ
+    token_offset: int  # where the prompts on either side of the change first differ: the cache breaks there
     old_excerpt: str
     new_excerpt: str
 
@@ -98,18 +99,17 @@ def _changes(records: list[PromptRecord], versions: list[PromptVersion], version
             before = [p for p in range(position) if version_of[p] is not None][-CHANGE_WINDOW:]
             after = [p for p in range(position, len(version_of)) if version_of[p] is not None][:CHANGE_WINDOW]
             offset, old_excerpt, new_excerpt = first_difference(old.text, new.text)
+            token_offset = common_prefix(records[previous[0]].token_ids or [], records[position].token_ids or [])
             changes.append(VersionChange(
                 position, records[position].time, old.number, new.number,
                 hit_rate(sum(hits[p] for p in before), sum(queries[p] for p in before)),
                 hit_rate(sum(hits[p] for p in after), sum(queries[p] for p in after)),
-                offset, old_excerpt, new_excerpt))
+                offset, token_offset, old_excerpt, new_excerpt))
         previous = (position, version)
     return changes
 
 
 def first_difference(old: str, new: str, context: int = 30) -> tuple[int, str, str]:
-    offset = 0
-    while offset < min(len(old), len(new)) and old[offset] == new[offset]:
-        offset += 1
+    offset = common_prefix(old, new)
     start = max(0, offset - 10)
     return offset, old[start:offset + context], new[start:offset + context]
