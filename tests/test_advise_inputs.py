@@ -2,6 +2,8 @@
 input: one clear line and a non-zero exit for what cannot be read; malformed lines skipped with a warning."""
 
 import json
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -108,3 +110,54 @@ def test_a_model_that_cannot_be_read(tmp_path, capsys):
     path = write_lines(tmp_path / "bodies.jsonl", [chat_body("s", "u")])
     code, _, err = run_advise(capsys, path, "--model", str(tmp_path / "no-model"))
     assert code == 1 and err.count("\n") == 1 and "no-model: no such file or folder" in err
+
+
+def server_line(index: int, body: dict, text: str, token_ids: list[int], cached_tokens: int,
+                block_size: int = 4, num_blocks: int = 64) -> dict:
+    """A line as `kvserve serve --log-requests-file` writes it."""
+    return {"version": 1, "time": 1796140000.0 + index, "request_id": f"chatcmpl-{index}",
+            "endpoint": "/v1/chat/completions", "model": "m", "cache_salt": None, "request": body,
+            "prompts": [{"token_ids": token_ids, "text": text, "cached_tokens": cached_tokens,
+                         "output_token_ids": [[5, 6]], "finish_reasons": ["length"]}],
+            "usage": {"prompt_tokens": len(token_ids), "prompt_tokens_details": {"cached_tokens": cached_tokens}},
+            "finished": True, "cache": {"block_size": block_size, "num_blocks": num_blocks, "hash_algo": "xxh3_128"}}
+
+
+def test_a_server_log_without_findings_is_read_without_torch(tmp_path):
+    body = chat_body("s", "u")
+    lines = [server_line(index, body, "s u", list(range(1, 21)), 16 if index else 0) for index in range(3)]
+    path = write_lines(tmp_path / "requests.jsonl", lines)
+    code = ("import json, sys; from kvserve.cli import main\n"
+            f"assert main(['advise', {path!r}, '--json']) == 0\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    # 16 of every 20 tokens after the first request: the log says so, and the replay (blocks of 4, hit capped
+    # at 19 tokens, so 4 full blocks) agrees.
+    assert report["hit_rate"]["logged"] == pytest.approx(32 / 60)
+    assert report["hit_rate"]["replayed"] == pytest.approx(32 / 60)
+    assert report["fixes"] == [] and report["pool"] == {"block_size": 4, "num_blocks": 64, "hash_algo": "xxh3_128"}
+
+
+def test_two_chat_templates_for_the_same_messages(tmp_path, tiny_folder, capsys):
+    """A log from two servers whose templates differ (one writes a BOS first): same messages, two prefixes."""
+    from kvserve.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_folder)
+    lines = []
+    for index in range(8):
+        body = chat_body(INSTRUCTIONS, question(index))
+        text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
+        text = ("<s>" if index % 2 else "") + text
+        lines.append(server_line(index, body, text, tokenizer.encode(text, add_special_tokens=False), 0, 16, 1024))
+    code, out, err = run_advise(capsys, write_lines(tmp_path / "requests.jsonl", lines), "--model", tiny_folder,
+                                "--json")
+    assert code == 0
+    assert "4 of 8 sampled prompts render to other token ids" in err  # the other server's half
+    report = json.loads(out)
+    [group] = report["template_variants"]
+    assert group["causes"] == ["another chat template or template arguments"] and group["variants"] == 2
+    fix = next(fix for fix in report["fixes"] if fix["finding"] == "template 1")
+    # Each variant misses once and then holds its own copy of the prefix; one rendering misses once in all.
+    assert fix["requests_changed"] == 4 and fix["hit_rate"] > report["hit_rate"]["replayed"] + 0.05

@@ -36,10 +36,14 @@ class Analysis:
 
     @property
     def hits_per_record(self) -> list[int]:
-        """Logged cached tokens where the log has them, else the replay's."""
-        if self.logged_hit_rate is None:
-            return self.replayed.hit_tokens
-        return [record.cached_tokens or 0 for record in self.records]
+        return hits_per_record(self.records, self.logged_hit_rate, self.replayed)
+
+
+def hits_per_record(records: list[PromptRecord], logged_hit_rate: float | None, replayed: ReplayResult) -> list[int]:
+    """Logged cached tokens where the log has them, else the replay's."""
+    if logged_hit_rate is None:
+        return replayed.hit_tokens
+    return [record.cached_tokens or 0 for record in records]
 
 
 def analyse(log: LoadedLog, renderer: Renderer, min_sightings: int = 2) -> Analysis:
@@ -48,8 +52,7 @@ def analyse(log: LoadedLog, renderer: Renderer, min_sightings: int = 2) -> Analy
     logged = _logged_hit_rate(records) if log.from_server_log else None
     spans = find_dynamic_spans(records, min_sightings)
     texts = original_texts(records)
-    hits = replayed.hit_tokens if logged is None else [record.cached_tokens or 0 for record in records]
-    versions = find_versions(records, texts, hits, replayed.prompt_tokens, spans)
+    versions = find_versions(records, texts, hits_per_record(records, logged, replayed), replayed.prompt_tokens, spans)
     variants = find_template_variants(records, spans)
     analysis = Analysis(records, pool, logged, replayed, spans, versions, variants)
     analysis.fixes = predict_fixes(analysis, texts, renderer)

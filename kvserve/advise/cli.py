@@ -67,9 +67,12 @@ def _run(args: argparse.Namespace) -> int:
              f"({first_failure})")
     if not log.records:
         raise AdviseError(f"{args.log}: no request could be rendered")
-    if log.from_server_log:
-        _check_renderer(log.records, renderer)
     analysis = analyse(log, renderer, args.min_sightings)
+    if analysis.replayed.num_unplaced:
+        warn(f"{analysis.replayed.num_unplaced} requests do not fit a pool of {log.pool.num_blocks} blocks of "
+             f"{log.pool.block_size} tokens and count as misses in the replay (--num-blocks)")
+    if log.from_server_log and analysis.fixes:  # fixes were rendered: with the server's template and tokenizer?
+        _check_renderer(log.records, renderer)
     report = report_dict(analysis, str(args.log))
     if args.plot is not None:
         from kvserve.advise.plot import plot_hit_rate
