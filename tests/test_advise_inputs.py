@@ -161,3 +161,18 @@ def test_two_chat_templates_for_the_same_messages(tmp_path, tiny_folder, capsys)
     fix = next(fix for fix in report["fixes"] if fix["finding"] == "template 1")
     # Each variant misses once and then holds its own copy of the prefix; one rendering misses once in all.
     assert fix["requests_changed"] == 4 and fix["hit_rate"] > report["hit_rate"]["replayed"] + 0.05
+
+
+def test_a_system_message_that_is_only_a_date(tmp_path, tiny_folder, capsys):
+    """The shared text is in the next message: the date moves to the end of the last one."""
+    bodies = [chat_body(f"Today is 2026-12-{index + 1:02d}.", f"{INSTRUCTIONS} {question(index)}")
+              for index in range(8)]
+    code, out, err = run_advise(capsys, write_lines(tmp_path / "bodies.jsonl", bodies), "--model", tiny_folder,
+                                "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    [span] = report["dynamic_spans"]
+    assert (span["kind"], span["message"], span["anchor"]) == ("date", 0, "Today is ")
+    move = next(fix for fix in report["fixes"] if fix["action"].startswith("move"))
+    assert "to the end of message 1 (user)" in move["action"]
+    assert move["hit_rate"] > report["hit_rate"]["replayed"] + 0.3

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.advise.fixes import (
-    Texts, move_span, original_texts, pin_system_prompt, remove_span, render_segments,
+    Texts, cut_span_sentence, move_span, move_target, original_texts, pin_system_prompt, remove_span,
+    render_segments,
 )
 from kvserve.advise.records import LoadedLog, PoolShape, PromptRecord
 from kvserve.advise.rendering import Renderer
@@ -59,11 +60,15 @@ def analyse(log: LoadedLog, renderer: Renderer, min_sightings: int = 2) -> Analy
     return analysis
 
 
-def move_action(span: DynamicSpanFinding) -> str:
+def move_action(records: list[PromptRecord], texts: Texts, span: DynamicSpanFinding) -> str:
     sentence = f"the sentence with the {span.kind}" + (f" ({span.anchor.strip()!r} ...)" if span.anchor.strip() else "")
     if span.role == "prompt":
         return f"move {sentence} after the prompt's static part"
-    return f"move {sentence} to the end of {span.where}, after the static part"
+    position = span.sightings[0].record_index
+    cut = cut_span_sentence(texts[position][span.segment], span)
+    target = span.segment if cut is None else move_target(texts[position], span, cut[0])
+    role = records[position].messages[target].get("role") if records[position].messages else span.role
+    return f"move {sentence} to the end of message {target} ({role}), after the static part"
 
 
 def _logged_hit_rate(records: list[PromptRecord]) -> float | None:
@@ -85,7 +90,7 @@ def predict_fixes(analysis: Analysis, texts: Texts, renderer: Renderer) -> list[
     for number, span in enumerate(analysis.spans, start=1):
         moved = move_span(records, texts, span)
         rate, changed = score(moved)
-        fixes.append(FixPrediction(f"span {number}", move_action(span), rate, changed))
+        fixes.append(FixPrediction(f"span {number}", move_action(records, texts, span), rate, changed))
         rate, changed = score(remove_span(records, texts, span))
         fixes.append(FixPrediction(f"span {number}", f"remove the sentence with the {span.kind}", rate, changed))
         combined = move_span(records, combined, span)

@@ -12,7 +12,9 @@ import re
 
 from kvserve.advise.records import CHAT, PromptRecord
 from kvserve.advise.rendering import Renderer
-from kvserve.advise.spans import DynamicSpanFinding, common_prefix, pattern_after, segments, sentence_bounds
+from kvserve.advise.spans import (
+    MIN_SHARED_AFTER_CHARS, DynamicSpanFinding, common_prefix, pattern_after, segments, sentence_bounds,
+)
 
 Texts = list[list[str]]  # per record, per segment
 _BREAK_BEFORE = re.compile(r"[\s\S]*(?:[.!?]\s|\n)")
@@ -43,7 +45,12 @@ def move_span(records: list[PromptRecord], texts: Texts, finding: DynamicSpanFin
             continue
         rest, sentence, separator = cut
         if record.kind == CHAT:
-            new_text = rest.rstrip() + separator + sentence
+            target = move_target(texts[position], finding, rest)
+            if target == finding.segment:
+                new_text = rest.rstrip() + separator + sentence
+            else:
+                new_text = rest.rstrip()
+                edited[position][target] = texts[position][target].rstrip() + separator + sentence
         else:
             neighbour = _neighbour_rest(cuts, position)
             split = _static_end(rest, neighbour) if neighbour is not None else len(rest)
@@ -51,6 +58,14 @@ def move_span(records: list[PromptRecord], texts: Texts, finding: DynamicSpanFin
                 rest.rstrip() + separator + sentence)
         edited[position][finding.segment] = new_text
     return edited
+
+
+def move_target(record_texts: list[str], finding: DynamicSpanFinding, rest: str) -> int:
+    """The message a dynamic sentence moves to the end of: its own, unless little is left in it (the static
+    part is in the messages after it), then the last one."""
+    if len(rest.strip()) < MIN_SHARED_AFTER_CHARS and finding.segment < len(record_texts) - 1:
+        return len(record_texts) - 1
+    return finding.segment
 
 
 def remove_span(records: list[PromptRecord], texts: Texts, finding: DynamicSpanFinding) -> Texts:

@@ -71,10 +71,6 @@ class DynamicSpanFinding:
     def examples(self) -> list[str]:
         return [value for value, _ in Counter(s.value for s in self.sightings).most_common(3)]
 
-    @property
-    def where(self) -> str:
-        return f"message {self.segment} ({self.role})" if self.role != "prompt" else "the prompt"
-
 
 def segments(record: PromptRecord) -> list[tuple[str, str]]:
     """(role, text) of each part a span can sit in: the messages of a chat, or the one completion prompt."""
@@ -126,9 +122,10 @@ def differing_region(text_a: str, text_b: str, later_a: list, later_b: list) -> 
         if skip_a >= 0:
             return text_a[start:start + skip_a], text_b[start:start + skip_b], start
     suffix = min(common_suffix(text_a, text_b), len(text_a) - start, len(text_b) - start)
-    shared_later = 0
+    shared_later = 0  # what the next parts share: whole equal parts, then the head of the first that differs
     for (_, later_text_a), (_, later_text_b) in zip(later_a, later_b):
         if later_text_a != later_text_b:
+            shared_later += common_prefix(later_text_a, later_text_b)
             break
         shared_later += len(later_text_b)
     middle_a, middle_b = text_a[start:len(text_a) - suffix], text_b[start:len(text_b) - suffix]
