@@ -20,8 +20,12 @@ from kvserve.advise.versions import Versions, find_versions
 class FixPrediction:
     finding: str  # "span 1", "versions", "template 1", "all"
     action: str  # what to change, in words
-    hit_rate: float  # replayed after the fix
+    replayed: ReplayResult  # the log replayed with the fix
     num_changed: int  # requests the fix rewrote
+
+    @property
+    def hit_rate(self) -> float:
+        return self.replayed.hit_rate
 
 
 @dataclass(slots=True)
@@ -83,33 +87,29 @@ def predict_fixes(analysis: Analysis, texts: Texts, renderer: Renderer) -> list[
     fixes: list[FixPrediction] = []
     combined = texts
 
-    def score(edited: Texts) -> tuple[float, int]:
-        token_ids, num_changed = render_segments(records, edited, renderer)
-        return replay(records, pool, token_ids).hit_rate, num_changed
+    def add(finding: str, action: str, token_ids: list[list[int]], num_changed: int) -> None:
+        fixes.append(FixPrediction(finding, action, replay(records, pool, token_ids), num_changed))
+
+    def add_edit(finding: str, action: str, edited: Texts) -> None:
+        add(finding, action, *render_segments(records, edited, renderer))
 
     for number, span in enumerate(analysis.spans, start=1):
-        moved = move_span(records, texts, span)
-        rate, changed = score(moved)
-        fixes.append(FixPrediction(f"span {number}", move_action(records, texts, span), rate, changed))
-        rate, changed = score(remove_span(records, texts, span))
-        fixes.append(FixPrediction(f"span {number}", f"remove the sentence with the {span.kind}", rate, changed))
+        add_edit(f"span {number}", move_action(records, texts, span), move_span(records, texts, span))
+        add_edit(f"span {number}", f"remove the sentence with the {span.kind}", remove_span(records, texts, span))
         combined = move_span(records, combined, span)
     versions = analysis.versions
     if len(versions.versions) > 1:
         pinned = max(versions.versions, key=lambda version: len(version.positions))
-        edited = pin_system_prompt(records, texts, versions.version_of, pinned.number, pinned.text)
-        rate, changed = score(edited)
-        fixes.append(FixPrediction("versions", f"pin system prompt v{pinned.number}", rate, changed))
+        add_edit("versions", f"pin system prompt v{pinned.number}",
+                 pin_system_prompt(records, texts, versions.version_of, pinned.number, pinned.text))
         # In the combination the pinned text is the pinned version's own request with its spans moved too.
         combined = pin_system_prompt(records, combined, versions.version_of, pinned.number,
                                      combined[pinned.positions[0]][0])
     for number, group in enumerate(analysis.variants, start=1):
-        rewritten, changed = canonical_token_ids(records, group, renderer)
-        token_ids = [rewritten.get(position, record.token_ids or []) for position, record in enumerate(records)]
-        fixes.append(FixPrediction(f"template {number}", "render it one way (the most common)",
-                                   replay(records, pool, token_ids).hit_rate, changed))
+        rewritten, num_changed = canonical_token_ids(records, group, renderer)
+        add(f"template {number}", "render it one way (the most common)",
+            [rewritten.get(position, record.token_ids or []) for position, record in enumerate(records)], num_changed)
     if len(fixes) > 2 and combined is not texts:
-        rate, changed = score(combined)
-        fixes.append(FixPrediction("all", "every span moved" + (" and one system prompt pinned"
-                                                                if len(versions.versions) > 1 else ""), rate, changed))
+        add_edit("all", "every span moved" + (" and one system prompt pinned" if len(versions.versions) > 1 else ""),
+                 combined)
     return fixes

@@ -29,6 +29,11 @@ def plot_hit_rate(analysis: Analysis, path: Path) -> Path:
     rates = rolling_hit_rates(analysis.hits_per_record, analysis.replayed.prompt_tokens)
     figure, axes = plt.subplots(figsize=(9, 4))
     axes.plot(xs, [100 * rate for rate in rates], marker=".", label=f"hit rate, {label} (last {ROLLING_REQUESTS})")
+    if analysis.fixes:
+        best = max(analysis.fixes, key=lambda fix: fix.hit_rate)
+        predicted = rolling_hit_rates(best.replayed.hit_tokens, best.replayed.prompt_tokens)
+        axes.plot(xs, [100 * rate for rate in predicted], linestyle=":", color="tab:green",
+                  label=f"predicted: {best.finding}, {best.action[:50]}")
     for change in analysis.versions.changes:
         x = xs[change.position]
         axes.axvline(x, color="tab:red", linestyle="--", alpha=0.7)
