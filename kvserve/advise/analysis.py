@@ -40,15 +40,16 @@ class Analysis:
     fixes: list[FixPrediction] = field(default_factory=list)
 
     @property
-    def hits_per_record(self) -> list[int]:
-        return hits_per_record(self.records, self.logged_hit_rate, self.replayed)
+    def hits_and_queries(self) -> tuple[list[int], list[int]]:
+        return hits_and_queries(self.records, self.logged_hit_rate, self.replayed)
 
 
-def hits_per_record(records: list[PromptRecord], logged_hit_rate: float | None, replayed: ReplayResult) -> list[int]:
-    """Logged cached tokens where the log has them, else the replay's."""
+def hits_and_queries(records: list[PromptRecord], logged_hit_rate: float | None,
+                     replayed: ReplayResult) -> tuple[list[int], list[int]]:
+    """Per record, (cached, prompt) tokens as the log has them (usage counts a prompt once), else the replay's."""
     if logged_hit_rate is None:
-        return replayed.hit_tokens
-    return [record.cached_tokens or 0 for record in records]
+        return replayed.hit_tokens, replayed.prompt_tokens
+    return [record.cached_tokens or 0 for record in records], [len(record.token_ids or []) for record in records]
 
 
 def analyse(log: LoadedLog, renderer: Renderer, min_sightings: int = 2) -> Analysis:
@@ -57,7 +58,7 @@ def analyse(log: LoadedLog, renderer: Renderer, min_sightings: int = 2) -> Analy
     logged = _logged_hit_rate(records) if log.from_server_log else None
     spans = find_dynamic_spans(records, min_sightings)
     texts = original_texts(records)
-    versions = find_versions(records, texts, hits_per_record(records, logged, replayed), replayed.prompt_tokens, spans)
+    versions = find_versions(records, texts, *hits_and_queries(records, logged, replayed), spans)
     variants = find_template_variants(records, spans)
     analysis = Analysis(records, pool, logged, replayed, spans, versions, variants)
     analysis.fixes = predict_fixes(analysis, texts, renderer)

@@ -26,7 +26,7 @@ def plot_hit_rate(analysis: Analysis, path: Path) -> Path:
     use_time = all(record.time is not None for record in records)
     xs = [dt.datetime.fromtimestamp(r.time, dt.timezone.utc) for r in records] if use_time else list(range(len(records)))
     label = "logged" if analysis.logged_hit_rate is not None else "replayed"
-    rates = rolling_hit_rates(analysis.hits_per_record, analysis.replayed.prompt_tokens)
+    rates = rolling_hit_rates(*analysis.hits_and_queries)
     figure, axes = plt.subplots(figsize=(9, 4))
     axes.plot(xs, [100 * rate for rate in rates], marker=".", label=f"hit rate, {label} (last {ROLLING_REQUESTS})")
     if analysis.fixes:

@@ -153,7 +153,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     )
 
 
-def load_tokenizer(model: str | None = None):
+def load_tokenizer(model: str | None = None) -> Tokenizer:
     """The model's tokenizer and chat template alone, without its weights (`kvserve advise` re-renders prompts)."""
     return _source(resolve_model_path(model)).tokenizer()
 
