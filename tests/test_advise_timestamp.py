@@ -80,3 +80,23 @@ def test_console_report_and_plot(timestamp_runs, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "timestamp" in out and "Current time: " in out and "move the sentence with the timestamp" in out
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_replay_evicts_as_the_engine_does(tiny_model_dir, tmp_path, capsys):
+    """Three system prompts in turn on a pool that holds about two: the engine's LRU evicts, and the replay on
+    the logged pool size reproduces its hit rate; on a pool that holds everything it would be higher."""
+    folder, _ = tiny_model_dir("llama")
+    log_path = tmp_path / "requests.jsonl"
+    flags = serve_flags(folder, log_path)
+    flags[flags.index("--num-gpu-blocks-override") + 1] = "60"
+    flags[flags.index("--max-model-len") + 1] = "512"
+    openers = ["You are a helpful", "You are a careful", "You are a patient"]
+    with kvserve_serve(tmp_path / "serve.out", *flags) as server:
+        figures = send_chats(openai_client(server.url), MODEL,
+                             lambda index: timestamp_last(index).replace("You are a helpful", openers[index % 3], 1), 12)
+    report = advise_json(capsys, str(log_path))
+    assert report["pool"]["num_blocks"] == 60
+    assert report["hit_rate"]["logged"] == pytest.approx(figures.hit_rate)
+    assert report["hit_rate"]["replayed"] == pytest.approx(figures.hit_rate)
+    unbounded = advise_json(capsys, str(log_path), "--num-blocks", "100000")
+    assert unbounded["hit_rate"]["replayed"] > figures.hit_rate + 0.03
