@@ -79,6 +79,7 @@ def test_console_report_and_plot(timestamp_runs, capsys, tmp_path):
     assert main(["advise", str(logs / "timestamp.jsonl"), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "timestamp" in out and "Current time: " in out and "move the sentence with the timestamp" in out
+    assert "biggest win: span 1: remove the sentence with the timestamp" in out
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 

@@ -63,13 +63,19 @@ def clock(unix_time: float | None) -> str:
 
 def print_report(report: dict, console: Console) -> None:
     pool = report["pool"]
-    blocks = f"{pool['num_blocks']:,} blocks" if pool["num_blocks"] else "an unbounded pool (pass --num-blocks)"
+    blocks = (f"{pool['num_blocks']:,} blocks of {pool['block_size']} tokens" if pool["num_blocks"] else
+              f"an unbounded pool of {pool['block_size']}-token blocks (--num-blocks sets a size)")
+    span = f", {clock(report['first_time'])} .. {clock(report['last_time'])}" if report["first_time"] else ""
     console.print(f"[bold]kvserve advise[/bold]: {report['num_requests']} requests ({report['num_prompts']} prompts) "
-                  f"from {report['source']}, {clock(report['first_time'])} .. {clock(report['last_time'])}")
-    console.print(f"replayed on {blocks} of {pool['block_size']} tokens, {pool['hash_algo']} block hashes")
+                  f"from {report['source']}{span}")
+    console.print(f"replayed on {blocks}, {pool['hash_algo']} block hashes")
     rates = report["hit_rate"]
     console.print(f"prefix-cache hit rate: logged {percent(rates['logged'])}, replayed as logged "
                   f"{percent(rates['replayed'])}")
+    if report["fixes"]:
+        best = max(report["fixes"], key=lambda fix: fix["hit_rate"])
+        console.print(f"[bold]biggest win[/bold]: {best['finding']}: {best['action']} -> "
+                      f"[bold]{percent(best['hit_rate'])}[/bold]")
     _print_spans(report, console)
     _print_versions(report, console)
     _print_variants(report, console)
