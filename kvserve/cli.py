@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvserve.bench.cli", "load-test an OpenAI-compatible server (TTFT, TPOT, throughput, cache hits); "
                                    "compare runs; run the benchmark suite"),
     "gateway": ("kvserve.gateway.cli", "OpenAI-compatible gateway: session/prefix routing, conversations, keys, limits"),
+    "advise": ("kvserve.advise.cli", "why prefix caching misses in a request log (dynamic spans, system-prompt "
+                                     "versions, template variants) and the hit rate each fix would reach"),
 }
 
 

@@ -171,6 +171,11 @@ def check_tensor_parallel(model: str | None, size: int) -> None:
     check_shardable(source.config, config, size, str(source.config_file))
 
 
+def load_tokenizer(model: str | None = None) -> Tokenizer:
+    """The model's tokenizer and chat template alone, without its weights (`kvserve advise` re-renders prompts)."""
+    return _source(resolve_model_path(model)).tokenizer()
+
+
 def _source(path: Path):
     return _GGUFSource(path) if path.suffix == ".gguf" else _HFSource(path)
 

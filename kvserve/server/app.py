@@ -17,6 +17,7 @@ from kvserve.server.context import ServerContext
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.metrics import build_metrics
+from kvserve.server.request_log import RequestLog, pool_geometry
 from kvserve.server.sampling import model_sampling_defaults
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stats_logger import log_stats_forever
@@ -47,6 +48,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     ctx: ServerContext = app.state.ctx
+    if ctx.settings.log_requests_file:
+        geometry = pool_geometry(ctx.engine.engine.kv_cache, str(ctx.engine.engine.loaded.path))
+        ctx.request_log = RequestLog(ctx.settings.log_requests_file, geometry)
     ctx.engine.start()
     stats_task = None
     if ctx.settings.log_stats_interval_s:
@@ -58,3 +62,5 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             stats_task.cancel()
         # uvicorn has already waited (up to --shutdown-timeout) for in-flight HTTP requests; what is left is aborted.
         await ctx.engine.shutdown(grace_period_s=0.0)
+        if ctx.request_log is not None:
+            ctx.request_log.close()  # flushes what is queued

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                        help="auto: the model's generation_config.json sets default temperature/top_p/top_k/min_p/"
                             "repetition_penalty; vllm: ignore it")
+    group.add_argument("--log-requests-file", default=None, metavar="PATH.jsonl",
+                       help="append one JSON line per request (prompt token ids, rendered prompt, messages, cached "
+                            "tokens) for `kvserve advise`; it holds every prompt and completion in full")
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / KV usage line")
     group.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats lines")
     group.add_argument("--uvicorn-log-level", default="info",

@@ -12,6 +12,7 @@ from kvserve.model.tokenizer import Tokenizer
 from kvserve.server.errors import APIError
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.metrics import RequestMetrics
+from kvserve.server.request_log import RequestLog
 from kvserve.server.settings import ServerSettings
 
 
@@ -24,6 +25,7 @@ class ServerContext:
     sampling_defaults: dict[str, float | int]
     token_texts: TokenTexts
     created: int  # unix time the server started, for /v1/models
+    request_log: RequestLog | None = None  # --log-requests-file, open while the app runs
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -42,10 +42,16 @@ class EngineJob:
     prompts: list[Prompt]
     params: list[SamplingParams]  # per prompt: max_tokens may differ (the room each prompt leaves)
     streams: list[RequestStream]
+    # Per prompt, the last output seen, for the request log (which is written when the job closes).
+    latest_outputs: list[RequestOutput | None] = field(default_factory=list)
+    on_closed: Callable[[], None] | None = None  # runs once, on the first close
 
     def close(self) -> None:
         for stream in self.streams:
             stream.close()
+        if self.on_closed is not None:
+            on_closed, self.on_closed = self.on_closed, None
+            on_closed()
 
 
 def session_of(request, body) -> str | None:
@@ -57,7 +63,7 @@ def session_of(request, body) -> str | None:
 async def submit(ctx: ServerContext, prompts: list[Prompt], params: list[SamplingParams], cache_salt: str | None,
                  id_prefix: str, session_id: str | None = None) -> EngineJob:
     """Queues every prompt and waits until the engine has accepted them all; on any refusal, none stay queued."""
-    job = EngineJob(prompts, params, [])
+    job = EngineJob(prompts, params, [], [None] * len(prompts))
     try:
         for prompt, prompt_params in zip(prompts, params):
             request_id = ctx.engine.new_request_id(id_prefix)
@@ -103,8 +109,10 @@ def to_api_error(ctx: ServerContext, exc: Exception) -> Exception:
 
 async def merged_outputs(job: EngineJob) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every stream of the job, as they arrive; raises the first stream error."""
+    latest = job.latest_outputs
     if len(job.streams) == 1:
         async for output in job.streams[0]:
+            latest[0] = output
             yield 0, output
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -127,6 +135,7 @@ async def merged_outputs(job: EngineJob) -> AsyncIterator[tuple[int, RequestOutp
             elif error is not None:
                 raise error
             else:
+                latest[index] = output
                 yield index, output
     finally:
         for task in tasks:

@@ -18,6 +18,7 @@ from kvserve.server.generation import (
 )
 from kvserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from kvserve.server.prompts import Prompt, check_token_ids, render_chat, resolve_max_tokens, truncate_prompt
+from kvserve.server.request_log import log_request
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.responses import (
     chat_body, chat_choice, chat_chunk_body, chat_chunk_choice, json_response, new_response_id, now_unix,
@@ -40,6 +41,7 @@ async def create_chat_completion(request: Request) -> Response:
     job = await submit(ctx, [prompt], [_params(ctx, body, prompt)], body.cache_salt, "chatcmpl",
                        session_of(request, body))
     response_id, created = new_response_id("chatcmpl"), now_unix()
+    log_request(ctx.request_log, job, "/v1/chat/completions", response_id, model, body)
     if body.stream:
         return SSEResponse(_events(request, ctx, job, body, response_id, created, model), on_close=job.close)
     finals = await finished_outputs(request, ctx, job)

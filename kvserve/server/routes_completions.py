@@ -21,6 +21,7 @@ from kvserve.server.logprobs import completion_logprobs, echoed_prompt_logprobs,
 from kvserve.server.prompts import (
     Prompt, check_token_ids, resolve_max_tokens, split_completion_prompts, tokenize_completion_prompt, truncate_prompt,
 )
+from kvserve.server.request_log import log_request
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.responses import (
     completion_body, completion_choice, json_response, new_response_id, now_unix,
@@ -42,6 +43,7 @@ async def create_completion(request: Request) -> Response:
     params = [_params(ctx, body, prompt) for prompt in prompts]
     job = await submit(ctx, prompts, params, body.cache_salt, "cmpl", session_of(request, body))
     response_id, created = new_response_id("cmpl"), now_unix()
+    log_request(ctx.request_log, job, "/v1/completions", response_id, model, body)
     if body.stream:
         return SSEResponse(_events(request, ctx, job, body, response_id, created, model), on_close=job.close)
     finals = await finished_outputs(request, ctx, job)

@@ -16,6 +16,7 @@ class ServerSettings:
     log_stats_interval_s: float | None = 5.0  # None: no periodic stats line
     owned_by: str = "kvserve"
     root: str | None = None  # the model path, for /v1/models
+    log_requests_file: str | None = None  # --log-requests-file: one JSON line per request
 
     @property
     def model_name(self) -> str:

@@ -59,6 +59,19 @@ def validate_server_args(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise StartupError(message, EXIT_USAGE)
+    check_request_log(args.log_requests_file)
+
+
+def check_request_log(path: str | None) -> None:
+    if path is None:
+        return
+    from kvserve.server.request_log import check_log_path
+
+    try:
+        check_log_path(path)
+    except OSError as exc:
+        raise StartupError(f"--log-requests-file {path}: cannot open it for writing: {exc.strerror or exc}",
+                           EXIT_USAGE) from None
 
 
 def build_engine_config(args: argparse.Namespace):
@@ -109,4 +122,5 @@ def build_settings(args: argparse.Namespace, async_engine):
         use_generation_config=args.generation_config == "auto",
         log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
         root=str(loaded.path),
+        log_requests_file=args.log_requests_file,
     )
