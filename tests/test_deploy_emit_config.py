@@ -84,8 +84,24 @@ def test_overlay_emitted_outside_the_repository_renders_and_validates(tmp_path, 
     assert limits["nvidia.com/gpu"] == 1
 
 
+@needs_kubectl
+def test_a_tensor_parallel_plan_deploys_as_one_pod_with_n_gpus(tmp_path, capsys):
+    out = tmp_path / "tp2"
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "H100-80GB", "-tp", "2",
+                 "--max-model-len", "8192", "--kv-cache-dtype", "fp8", "--emit-config", str(out)]) == 0
+    capsys.readouterr()
+    args = parse_command_line(["serve", "--config", "serve.yaml"], (out / "serve.yaml").read_text(), tmp_path)
+    assert args.tensor_parallel_size == 2
+    docs = render(out)
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    engine = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "kvserve-engine")
+    resources = engine["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 2
+
+
 @pytest.mark.parametrize("plan_args,message", [
-    (["--model", "Qwen/Qwen2.5-14B-Instruct", "--gpu", "H100-80GB", "-tp", "2"], "tensor and pipeline parallelism"),
+    (["--model", "Qwen/Qwen2.5-14B-Instruct", "--gpu", "H100-80GB", "-pp", "2"], "no pipeline parallelism"),
     (["--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "L4"], "this plan cannot start"),
     (["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "MI300X"], "no NVIDIA node label for MI300X"),
     (["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "L4", "--quantization", "awq"], "does not load awq"),

@@ -46,9 +46,9 @@ def check_deployable(plan: Plan, out_dir: Path) -> None:
     if plan.verdict.status in (DOES_NOT_LOAD, STARTUP_ERROR):
         raise PlannerError(f"--emit-config: this plan cannot start ({plan.verdict.headline}); "
                            "change the flags until `kvserve plan` says it fits")
-    if plan.request.tensor_parallel_size > 1 or plan.request.pipeline_parallel_size > 1:
-        raise PlannerError("--emit-config: kvserve serve runs one GPU per engine (tensor and pipeline parallelism "
-                           "are not built yet); plan with -tp 1 -pp 1")
+    if plan.request.pipeline_parallel_size > 1:
+        raise PlannerError("--emit-config: kvserve serve has no pipeline parallelism; plan with -pp 1 (tensor "
+                           "parallelism, -tp N, deploys as N GPUs per engine)")
     if plan.weights.quant.method not in ("none", "gguf"):  # GGUF files load (dequantized)
         raise PlannerError(f"--emit-config: kvserve serve does not load {plan.weights.quant.label} weights yet; "
                            "plan an unquantized checkpoint")

@@ -29,6 +29,7 @@ def kustomization(deploy_root: str, header: list[str]) -> str:
 
 def engine_patch(plan: Plan, sizing: PodSizing, header: list[str]) -> str:
     memory = f"{sizing.memory_gib}Gi"
+    gpus = plan.request.tensor_parallel_size  # one per tensor-parallel rank, in the same pod
     document = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -41,8 +42,8 @@ def engine_patch(plan: Plan, sizing: PodSizing, header: list[str]) -> str:
                     "name": "engine",
                     # Memory: the host KV tier + the weights on their way to the GPU + CUDA and Python.
                     "resources": {
-                        "requests": {"cpu": str(sizing.cpus), "memory": memory, GPU_RESOURCE: 1},
-                        "limits": {"memory": memory, GPU_RESOURCE: 1},
+                        "requests": {"cpu": str(sizing.cpus), "memory": memory, GPU_RESOURCE: gpus},
+                        "limits": {"memory": memory, GPU_RESOURCE: gpus},
                     },
                     "startupProbe": {"failureThreshold": sizing.startup_failure_threshold},
                 }],
@@ -54,7 +55,7 @@ def engine_patch(plan: Plan, sizing: PodSizing, header: list[str]) -> str:
             }],
         },
     }
-    notes = [f"{plan.gpu.name}: 1 GPU per engine on nodes labelled {node_selector_expression(plan.gpu.name)['key']};",
+    notes = [f"{plan.gpu.name}: {gpus} GPU{'s' if gpus > 1 else ''} per engine on nodes labelled {node_selector_expression(plan.gpu.name)['key']};",
              f"startup budget {sizing.startup_budget_s} s (the weights from the models volume, CUDA, profiling);",
              f"volume: the {sizing.disk_tier_gib} GiB disk tier and room; memory: the {sizing.host_tier_gib} GiB "
              f"host tier + {sizing.memory_gib - sizing.host_tier_gib} GiB (the weights while they load, CUDA, Python)."]

@@ -36,6 +36,8 @@ def serve_options(plan: Plan, model_arg: str, sizing: PodSizing) -> list[tuple[s
         ("device", "cuda", ""),
         ("dtype", plan.model_dtype, ""),
         ("gpu-memory-utilization", request.gpu_memory_utilization, ""),
+        *([("tensor-parallel-size", request.tensor_parallel_size, "one GPU per rank, in this pod")]
+          if request.tensor_parallel_size > 1 else []),
         ("max-model-len", plan.max_model_len, ""),
         ("max-num-seqs", request.max_num_seqs, ""),
         ("max-num-batched-tokens", request.max_num_batched_tokens, ""),
