@@ -5,6 +5,7 @@ are AMD EPYC Zen 3, AVX2 only, and Zen 4, AVX-512 with BF16).
 """
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +120,20 @@ def test_start_up_log_names_the_family_and_dtype(monkeypatch, caplog, tiny_model
     assert expected in caplog.messages
     if kernels_built:
         assert loaded.model.fused_kernels.__name__ == module_name(cpu_isa.ISA_FAMILIES[1])
+
+
+def test_a_kernel_build_lock_left_by_a_killed_build_does_not_hang_the_next_start():
+    """torch's build lock is a plain file: a build killed mid-way leaves it, and torch alone would wait on it
+    forever. kvserve removes it under an flock of its own (which dies with its process)."""
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(module_name(selected_isa()), verbose=False))
+    (build_dir / "lock").touch()
+    check = "from kvserve.model.cpu_kernels import cpu_kernels; assert cpu_kernels() is not None"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert not (build_dir / "lock").exists()
+    assert "left by a kernel build that was killed" in result.stderr

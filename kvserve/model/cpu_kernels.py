@@ -8,8 +8,10 @@ Set KVSERVE_CPU_KERNELS=0 to force the portable path, KVSERVE_CPU_ISA=avx2 (etc.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -122,16 +124,34 @@ def _build(isa: CpuIsa):
         if not any(build_dir.glob(f"{name}*.so")):
             logger.info("Building the CPU kernels for %s (once per CPU family, about 30-60 s; cached in %s)",
                         isa.label, build_dir)
-        return load(
-            name=name,
-            sources=[str(source) for source in SOURCES],
-            # The family's flags, not -march=native: the cache entry must run on every CPU of the family.
-            # -fopenmp: at::parallel_for is header code that runs serially unless OpenMP is on at compile time.
-            extra_cflags=["-O3", "-ffast-math", "-fopenmp", *isa.compile_flags],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-            verbose=False,
-        )
+        with _exclusive_build(build_dir):
+            return load(
+                name=name,
+                sources=[str(source) for source in SOURCES],
+                # The family's flags, not -march=native: the cache entry must run on every CPU of the family.
+                # -fopenmp: at::parallel_for is header code that runs serially unless OpenMP is on at compile
+                # time.
+                extra_cflags=["-O3", "-ffast-math", "-fopenmp", *isa.compile_flags],
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(CSRC)],
+                verbose=False,
+            )
     except Exception as exc:  # a missing compiler or ninja must not stop the engine
         logger.warning("CPU kernels for %s unavailable (%s); using the portable torch path", isa.label, exc)
         return None
+
+
+@contextmanager
+def _exclusive_build(build_dir: Path):
+    """Holds an flock on the build folder while torch builds or loads the module there.
+
+    torch's own lock is a plain file that a build killed mid-way leaves behind, and every later start then
+    waits on it forever. An flock dies with its process, so whoever holds it knows any torch lock file it
+    finds is stale, and removes it."""
+    with open(build_dir / "kvserve-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a kernel build that was killed", stale)
+            stale.unlink()
+        yield
