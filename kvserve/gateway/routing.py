@@ -19,6 +19,7 @@ from kvserve.gateway.backends import Backend
 from kvserve.gateway.hashring import HashRing, bounded_owner
 from kvserve.gateway.prefix import longest_match
 from kvserve.gateway.recent import RecentWrites
+from kvserve.gateway.request_state import RequestState
 from kvserve.gateway.store import Store, spawn
 
 SESSION, SESSION_NEW, BOUNDED, PREFIX, LOAD, FAILOVER, ROUND_ROBIN = (
@@ -59,15 +60,23 @@ class Router:
         self.recent_prefixes = RecentWrites()
         self._placement_lock = asyncio.Lock()
 
-    async def route(self, session_id: str | None, block_hashes: list[str], exclude: set[str]) -> RouteDecision:
+    async def route(self, session_id: str | None, block_hashes: list[str], exclude: set[str],
+                    known: RequestState | None = None) -> RouteDecision:
+        """`known`: the session's backend and the prefix entries as the request's state read found them a moment
+        ago (None: read them now, as a retry must, since the first attempt may have placed the session)."""
         candidates = [b for b in self.backends if b.available() and b.url not in exclude]
         if not candidates:
             raise NoBackendAvailable(self._why_none(exclude))
         if self.config.policy == "round-robin":
             return RouteDecision(self._next_round_robin(candidates), ROUND_ROBIN)
         if session_id is not None:
-            return await self._route_session(session_id, candidates)
-        return await self._route_prefix_or_load(block_hashes, candidates)
+            current_url = known.session_backend if known else await self.store.get_session(session_id)
+            return await self._route_session(session_id, current_url, candidates)
+        prefix_backends = known.prefix_backends if known else await self.store.prefix_lookup(block_hashes)
+        return self._route_prefix_or_load(prefix_backends, candidates)
+
+    def wants_prefix_lookup(self, session_id: str | None) -> bool:
+        return self.config.policy != "round-robin" and session_id is None
 
     def record(self, decision: RouteDecision, block_hashes: list[str]) -> None:
         """The prefix index learns from every decision: the blocks are now in that backend's cache. Written in
@@ -76,8 +85,8 @@ class Router:
         if block_hashes and self.recent_prefixes.due(block_hashes[-1], decision.backend.url):
             spawn(self.store.prefix_record(block_hashes, decision.backend.url))
 
-    async def _route_session(self, session_id: str, candidates: list[Backend]) -> RouteDecision:
-        current_url = await self.store.get_session(session_id)
+    async def _route_session(self, session_id: str, current_url: str | None,
+                             candidates: list[Backend]) -> RouteDecision:
         current = next((b for b in candidates if b.url == current_url), None)
         if current is not None and not (self._saturated(current) and self._unsaturated(candidates)):
             return RouteDecision(current, SESSION)
@@ -105,8 +114,8 @@ class Router:
             reason = SESSION_NEW if chosen_url == owner else BOUNDED
         return RouteDecision(self.by_url[chosen_url], reason)
 
-    async def _route_prefix_or_load(self, block_hashes: list[str], candidates: list[Backend]) -> RouteDecision:
-        backend_url, depth = longest_match(await self.store.prefix_lookup(block_hashes))
+    def _route_prefix_or_load(self, prefix_backends: list[str | None], candidates: list[Backend]) -> RouteDecision:
+        backend_url, depth = longest_match(prefix_backends)
         match = next((b for b in candidates if b.url == backend_url), None)
         if match is not None and depth >= self.config.min_prefix_blocks and not self._saturated(match):
             return RouteDecision(match, PREFIX)

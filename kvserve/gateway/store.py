@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvserve.gateway.recent import RecentWrites
+from kvserve.gateway.request_state import RequestState, StateQuery
 
 PREFIX = "kvgw:"
 
@@ -50,6 +51,7 @@ class Store(Protocol):
     async def key_put(self, key_id: str, record: dict) -> None: ...
     async def key_get(self, key_id: str) -> dict | None: ...
     async def key_list(self) -> list[dict]: ...
+    async def read_request_state(self, query: StateQuery) -> RequestState: ...
     async def close(self) -> None: ...
 
 
@@ -178,6 +180,42 @@ class RedisStore:
         bodies = await self._call(self.redis.hvals(f"{PREFIX}keys"))
         return sorted((json.loads(b) for b in bodies), key=lambda r: r["created_at"])
 
+    async def read_request_state(self, query: StateQuery) -> RequestState:
+        """One MULTI/EXEC: one round trip whatever the query holds, and the counter's INCR and EXPIRE together."""
+        pipe = self.redis.pipeline(transaction=True)
+        if query.key_id is not None:
+            pipe.hget(f"{PREFIX}keys", query.key_id)
+        if query.requests_counter is not None:
+            pipe.incrby(f"{PREFIX}counter:{query.requests_counter}", 1)
+            pipe.expire(f"{PREFIX}counter:{query.requests_counter}", query.counter_ttl_s)
+        if query.tokens_counter is not None:
+            pipe.get(f"{PREFIX}counter:{query.tokens_counter}")
+        if query.session_id is not None:
+            pipe.get(f"{PREFIX}session:{query.session_id}")
+        if query.conversation_id is not None:
+            pipe.lrange(f"{PREFIX}conversation:{query.conversation_id}", 0, -1)
+        if query.prefix_hashes:
+            pipe.mget([f"{PREFIX}prefix:{h}" for h in query.prefix_hashes])
+        results = iter(await self._call(pipe.execute()))
+        state = RequestState()
+        if query.key_id is not None:
+            body = next(results)
+            state.key_record = None if body is None else json.loads(body)
+        if query.requests_counter is not None:
+            state.requests_used = int(next(results))
+            next(results)  # EXPIRE's answer
+        if query.tokens_counter is not None:
+            state.tokens_used = int(next(results) or 0)
+        if query.session_id is not None:
+            state.session_backend = next(results)
+            if state.session_backend is not None and self.recent.due(query.session_id, state.session_backend):
+                spawn(self._refresh_session(query.session_id, state.session_backend))
+        if query.conversation_id is not None:
+            state.conversation = [json.loads(item) for item in next(results)]
+        if query.prefix_hashes:
+            state.prefix_backends = next(results)
+        return state
+
     async def close(self) -> None:
         await self.redis.aclose()
 
@@ -301,6 +339,22 @@ class SQLiteStore:
     async def key_list(self) -> list[dict]:
         rows = self._run("SELECT body FROM api_keys")
         return sorted((json.loads(body) for (body,) in rows), key=lambda r: r["created_at"])
+
+    async def read_request_state(self, query: StateQuery) -> RequestState:
+        # A local file: the statements one after another cost microseconds, no round trips to save.
+        state = RequestState()
+        if query.key_id is not None:
+            state.key_record = await self.key_get(query.key_id)
+        if query.requests_counter is not None:
+            state.requests_used = await self.counter_add(query.requests_counter, 1, query.counter_ttl_s)
+        if query.tokens_counter is not None:
+            state.tokens_used = await self.counter_get(query.tokens_counter)
+        if query.session_id is not None:
+            state.session_backend = await self.get_session(query.session_id)
+        if query.conversation_id is not None:
+            state.conversation = await self.conversation_load(query.conversation_id)
+        state.prefix_backends = await self.prefix_lookup(query.prefix_hashes)
+        return state
 
     async def close(self) -> None:
         with self.lock:
