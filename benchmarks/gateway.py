@@ -58,6 +58,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overhead-streams", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-routing", action="store_true", help="measure only the overhead")
+    parser.add_argument("--skip-overhead", action="store_true", help="measure only the routing")
+    parser.add_argument("--skewed", action="store_true",
+                        help="also the skewed case: one session per key, a few very active sessions that share a "
+                             "backend; every backend's queue against the mean, rebalancing on and off")
+    parser.add_argument("--skew-sessions", type=int, default=12)
+    parser.add_argument("--skew-hot", type=int, default=3, help="very active sessions, all on one backend")
+    parser.add_argument("--skew-parallel", type=int, default=4, help="requests each hot session keeps in flight")
+    parser.add_argument("--skew-requests", type=int, default=12, help="requests per parallel stream of a hot session")
     parser.add_argument("--log-dir", default=None, help="where server logs go (default: a temp dir)")
     return parser.parse_args(argv)
 
@@ -68,18 +76,19 @@ def backend_spec(kv_cache_memory: float) -> ServerSpec:
     return ServerSpec("backend", "kvserve serve", command, "kvserve serve")
 
 
-def gateway_spec(backend_urls: list[str], routing: str, store_flags: list[str]) -> ServerSpec:
+def gateway_spec(backend_urls: list[str], routing: str, store_flags: list[str], *extra: str) -> ServerSpec:
     command = [sys.executable, "-m", "kvserve.cli", "gateway", "--host", "127.0.0.1", "--port", "{port}",
-               "--backend", *backend_urls, "--routing", routing, "--log-level", "warning", *store_flags]
-    return ServerSpec(f"gateway-{routing}", f"kvserve gateway --routing {routing}", command, "kvserve gateway")
+               "--backend", *backend_urls, "--routing", routing, "--log-level", "warning", *store_flags, *extra]
+    title = " ".join(["kvserve gateway --routing", routing, *extra])
+    return ServerSpec(f"gateway-{routing}", title, command, "kvserve gateway")
 
 
 @contextlib.contextmanager
-def state_store(work: Path):
-    """Flags for two gateways' stores (Redis databases 0 and 1, or two SQLite files) and what it is."""
+def state_store(work: Path, count: int = 2):
+    """Flags for `count` gateways' stores (Redis databases 0, 1, ..., or SQLite files) and what it is."""
     redis_server = shutil.which("redis-server")
     if redis_server is None:
-        yield [["--state-path", str(work / f"gw{i}.sqlite3")] for i in range(2)], "SQLite"
+        yield [["--state-path", str(work / f"gw{i}.sqlite3")] for i in range(count)], "SQLite"
         return
     port = free_port()
     process = subprocess.Popen([redis_server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(work),
@@ -91,16 +100,34 @@ def state_store(work: Path):
                 break
             except OSError:
                 time.sleep(0.05)
-        yield [["--redis-url", f"redis://127.0.0.1:{port}/{i}"] for i in range(2)], "Redis"
+        yield [["--redis-url", f"redis://127.0.0.1:{port}/{i}"] for i in range(count)], "Redis"
     finally:
         process.terminate()
         process.wait(timeout=10)
 
 
-def create_key(store_flags: list[str]) -> str:
-    result = subprocess.run([sys.executable, "-m", "kvserve.cli", "gateway", "keys", "create", "--name", "bench",
+def create_key(store_flags: list[str], name: str = "bench") -> str:
+    result = subprocess.run([sys.executable, "-m", "kvserve.cli", "gateway", "keys", "create", "--name", name,
                              "--rpm", "1000000", *store_flags], capture_output=True, text=True, check=True)
     return result.stdout.splitlines()[0]
+
+
+def create_keys(store_flags: list[str], count: int) -> list[str]:
+    """`count` keys in one process (the CLI would start Python once a key)."""
+    from kvserve.gateway.keys import create_key as create_stored_key
+    from kvserve.gateway.store import open_store
+
+    redis_url = store_flags[1] if store_flags[0] == "--redis-url" else None
+    state_path = store_flags[1] if store_flags[0] == "--state-path" else ""
+
+    async def create() -> list[str]:
+        store = open_store(redis_url, state_path)
+        try:
+            return [(await create_stored_key(store, f"skew-{i}", 1_000_000))[0] for i in range(count)]
+        finally:
+            await store.close()
+
+    return asyncio.run(create())
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -198,11 +225,124 @@ async def stream_gaps(gateway_url: str, backend_url: str, api_key: str, model: s
     return float(np.median(gaps["direct"]) * 1000), float(np.median(gaps["gateway"]) * 1000)
 
 
-def report(session: dict | None, round_robin: dict | None, overhead: dict, store: str,
+# ---- the skewed case ------------------------------------------------------------------------------------------
+
+SKEW_OUTPUT_LEN = 16
+
+
+def skew_body(model: str, session: str, index: int) -> dict:
+    # Short, distinct prompts: this case is about queues, not caching.
+    return {"model": model, "user": session, "max_tokens": SKEW_OUTPUT_LEN, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"{session} request {index}: say something about queues."}]}
+
+
+async def sample_queues(backend_urls: list[str], stop: asyncio.Event, interval_s: float = 0.2) -> list[list[float]]:
+    """Each backend's running + waiting requests from its /metrics, every interval, until `stop`."""
+    samples: list[list[float]] = []
+    async with httpx.AsyncClient(timeout=10) as http:
+        while not stop.is_set():
+            row = []
+            for url in backend_urls:
+                totals = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+                for family in text_string_to_metric_families((await http.get(f"{url}/metrics")).text):
+                    for sample in family.samples:
+                        if sample.name in totals:
+                            totals[sample.name] += sample.value
+                row.append(sum(totals.values()))
+            samples.append(row)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+    return samples
+
+
+async def skewed_run(gateway_url: str, backend_urls: list[str], keys: list[str], model: str,
+                     args: argparse.Namespace) -> dict:
+    """Sessions placed first (one warm-up request each, one key each); then the hot ones (sessions the gateway
+    put on the same backend: the unlucky case) keep `skew_parallel` requests in flight while the others send one
+    at a time with a pause, until the hot ones are done."""
+    sessions = [f"skew-{i}" for i in range(args.skew_sessions)]
+    async with httpx.AsyncClient(timeout=600) as http:
+        async def post(session: str, key: str, index: int) -> httpx.Response:
+            return await http.post(f"{gateway_url}/v1/chat/completions", json=skew_body(model, session, index),
+                                   headers={"Authorization": f"Bearer {key}"})
+
+        placed: dict[str, str] = {}
+        for session, key in zip(sessions, keys):
+            placed[session] = (await post(session, key, 0)).headers["x-kvserve-backend"]
+        crowded = max(backend_urls, key=lambda url: list(placed.values()).count(url))
+        hot = [s for s in sessions if placed[s] == crowded][: args.skew_hot]
+        key_of = dict(zip(sessions, keys))
+        hot_done = asyncio.Event()
+        failed = [0]
+
+        async def hot_stream(session: str, stream: int) -> None:
+            for index in range(args.skew_requests):
+                failed[0] += (await post(session, key_of[session], 1000 * stream + index + 1)).status_code != 200
+
+        async def cold_session(session: str) -> None:
+            index = 0
+            while not hot_done.is_set():
+                index += 1
+                failed[0] += (await post(session, key_of[session], index)).status_code != 200
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(hot_done.wait(), 0.5)
+
+        stop_sampling = asyncio.Event()
+        sampler = asyncio.create_task(sample_queues(backend_urls, stop_sampling))
+        cold = [asyncio.create_task(cold_session(s)) for s in sessions if s not in hot]
+        await asyncio.gather(*(hot_stream(s, k) for s in hot for k in range(args.skew_parallel)))
+        hot_done.set()
+        await asyncio.gather(*cold)
+        stop_sampling.set()
+        samples = await sampler
+        decisions = scrape_decisions(gateway_url)
+    mean_by_backend = np.mean(np.array(samples), axis=0)
+    overall = float(np.mean(mean_by_backend))
+    return {"hot": len(hot), "queue_by_backend": [float(q) for q in mean_by_backend],
+            "max_over_mean": float(np.max(mean_by_backend) / overall) if overall else 0.0,
+            "moves": decisions.get("rebalance", 0.0) + decisions.get("failover", 0.0), "failed": failed[0],
+            "samples": len(samples)}
+
+
+def skewed_runs(urls: list[str], store_flags: list[list[str]], model: str, work: Path,
+                args: argparse.Namespace) -> dict[str, dict]:
+    """The skewed case through two fresh gateways (each its own store): rebalancing on (the default) and off."""
+    rows = {}
+    for index, (name, extra) in enumerate((("session, rebalancing (default)", []),
+                                           ("session, --rebalance-ratio 0", ["--rebalance-ratio", "0"]))):
+        print(f"skewed: {name} ...", flush=True)
+        spec = gateway_spec(urls, "session", store_flags[index], *extra)
+        with ServerProcess(spec, work / f"gateway-skewed-{index}.log") as gateway:
+            keys = create_keys(store_flags[index], args.skew_sessions)
+            rows[name] = asyncio.run(skewed_run(gateway.url, urls, keys, model, args))
+    return rows
+
+
+def scrape_decisions(gateway_url: str) -> dict[str, float]:
+    decisions: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{gateway_url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "kvserve:gateway_routing_decisions_total":
+                decisions[sample.labels["reason"]] = sample.value
+    return decisions
+
+
+def report_skewed(rows: dict[str, dict], args: argparse.Namespace) -> None:
+    print(f"\nskewed: {args.skew_sessions} sessions, one key each; {args.skew_hot} hot sessions placed on one "
+          f"backend keep {args.skew_parallel} requests in flight each ({args.skew_requests} each), the rest one "
+          f"at a time with 0.5 s pauses; {SKEW_OUTPUT_LEN} tokens out; queue = running + waiting, sampled every 0.2 s")
+    print(f"{'':30}{'mean queue by backend':>26}{'max / mean':>12}{'moves':>7}{'failed':>8}")
+    for name, row in rows.items():
+        queues = " / ".join(f"{q:.1f}" for q in row["queue_by_backend"])
+        print(f"{name:30}{queues:>26}{row['max_over_mean']:>11.2f}x{row['moves']:>7.0f}{row['failed']:>8}")
+
+
+def report(session: dict | None, round_robin: dict | None, overhead: dict | None, store: str,
            args: argparse.Namespace) -> None:
     if session is not None and round_robin is not None:
         report_routing(session, round_robin, store, args)
-    report_overhead(overhead, args)
+    if overhead is not None:
+        report_overhead(overhead, args)
 
 
 def report_routing(session: dict, round_robin: dict, store: str, args: argparse.Namespace) -> None:
@@ -241,22 +381,26 @@ def main(argv: list[str] | None = None) -> int:
         backends = [stack.enter_context(ServerProcess(backend_spec(args.kv_cache_memory), work / f"backend{i}.log"))
                     for i in range(args.num_backends)]
         model = httpx.get(f"{backends[0].url}/v1/models", timeout=10).json()["data"][0]["id"]
-        store_flags, store = stack.enter_context(state_store(work))
+        store_flags, store = stack.enter_context(state_store(work, 4 if args.skewed else 2))
         urls = [b.url for b in backends]
         session_gateway = stack.enter_context(ServerProcess(gateway_spec(urls, "session", store_flags[0]),
                                                             work / "gateway-session.log"))
         round_robin_gateway = stack.enter_context(ServerProcess(gateway_spec(urls, "round-robin", store_flags[1]),
                                                                 work / "gateway-round-robin.log"))
-        keys = [create_key(flags) for flags in store_flags]
-        session = round_robin = None
+        keys = [create_key(flags) for flags in store_flags[:2]]
+        session = round_robin = overhead = None
         if not args.skip_routing:
             print("round robin ...", flush=True)
             round_robin = policy_run(round_robin_gateway, backends, keys[1], model, args.seed + 1, args, "rr")
             print("session routing ...", flush=True)
             session = policy_run(session_gateway, backends, keys[0], model, args.seed, args, "session")
-        print("overhead ...", flush=True)
-        overhead = overhead_run(session_gateway, keys[0], model, args)
+        if not args.skip_overhead:
+            print("overhead ...", flush=True)
+            overhead = overhead_run(session_gateway, keys[0], model, args)
+        skew = skewed_runs(urls, store_flags[2:], model, work, args) if args.skewed else None
         report(session, round_robin, overhead, store, args)
+        if skew:
+            report_skewed(skew, args)
     return 0
 
 

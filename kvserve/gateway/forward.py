@@ -24,7 +24,7 @@ from kvserve.gateway.key_cache import VerifiedKeys
 from kvserve.gateway.keys import KeyRecord, check_key, verify_key
 from kvserve.gateway.limits import LimitState
 from kvserve.gateway.metrics import BACKEND_ERROR, CLIENT_ERROR, CLIENT_GONE, SUCCESS, UNAVAILABLE, GatewayMetrics
-from kvserve.gateway.prefix import prefix_block_hashes
+from kvserve.gateway.prefix import cache_counts, prefix_block_hashes
 from kvserve.gateway.proxy import Upstream, UpstreamFailed, open_upstream
 from kvserve.gateway.request_state import RequestState, StateQuery
 from kvserve.gateway.routing import Router
@@ -204,6 +204,7 @@ async def _whole_response(gateway: Gateway, exchange: Exchange, upstream: Upstre
     count_tokens = None
     if status == 200:
         completion = _json_or_none(content)
+        _observe_cache(gateway, exchange, upstream, (completion or {}).get("usage"))
         await _record_turn(gateway, exchange, answer_of(completion) if completion else None)
         # Counted once the answer is sent (a store round trip the client need not wait for); the next
         # turn of a conversation, by contrast, must find this one stored, so that is awaited above.
@@ -237,6 +238,7 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
             upstream.backend.breaker.on_failure()
         gateway.metrics.requests.labels(upstream.backend.url, outcome[0]).inc()
         if tap.done:
+            _observe_cache(gateway, exchange, upstream, tap.usage)
             try:
                 await _record_turn(gateway, exchange, tap.text)
                 await _count_tokens(gateway, exchange, tap.total_tokens)
@@ -245,6 +247,11 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
 
     headers = {**SSE_HEADERS, **exchange.response_headers(upstream)}
     return UpstreamStreamResponse(events(), headers, on_close)
+
+
+def _observe_cache(gateway: Gateway, exchange: Exchange, upstream: Upstream, usage: object) -> None:
+    if gateway.router.observe_cache(upstream.decision, exchange.block_hashes, *cache_counts(usage)):
+        gateway.metrics.prefix_expiries.labels(upstream.backend.url, "missed").inc()
 
 
 async def _record_turn(gateway: Gateway, exchange: Exchange, answer: str | None) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.gateway.prefix import PrefixEntry
+
 
 @dataclass(slots=True)
 class StateQuery:
@@ -27,4 +29,4 @@ class RequestState:
     tokens_used: int = 0
     session_backend: str | None = None
     conversation: list[dict] = field(default_factory=list)
-    prefix_backends: list[str | None] = field(default_factory=list)
+    prefix_entries: list[PrefixEntry | None] = field(default_factory=list)
