@@ -45,10 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-factor", type=float, default=1.0,
                         help="the most live sessions a backend takes new ones at, as a multiple of the mean "
                              "(>= 1; default 1.0, see RoutingConfig)")
-    parser.add_argument("--rebalance-ratio", type=float, default=1.5,
+    parser.add_argument("--rebalance-ratio", type=float, default=2.0,
                         help="a held session moves to the shortest queue when its backend's queue (at least 4 "
                              "requests) is over this multiple of the mean and another backend is under it; one "
-                             "cache miss per move (0: never for load; default 1.5)")
+                             "cache miss per move (0: never for load; default 2.0)")
     parser.add_argument("--max-attempts", type=int, default=3, help="upstream attempts per request (default 3)")
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
     parser.add_argument("--breaker-failures", type=int, default=5,

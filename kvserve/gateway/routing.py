@@ -43,9 +43,10 @@ class RoutingConfig:
     saturation_waiting: float = 5.0  # llm-d: saturated at 5 waiting requests ...
     saturation_kv_usage: float = 0.8  # ... or 80% KV usage
     min_prefix_blocks: int = 1
-    # A held session moves when its backend's queue is over this multiple of the mean (0: never for load): 1.5
-    # keeps every queue within the 2x the issue asks with room, since it is decided on the queues of the moment ...
-    rebalance_ratio: float = 1.5
+    # A held session moves when its backend's queue is over this multiple of the mean (0: never for load): a
+    # lower bound moves sessions back and forth as queues fluctuate (1.5 made twice the moves for the same balance
+    # in benchmarks/gateway.py --skewed), each move a cache miss ...
+    rebalance_ratio: float = 2.0
     # ... and at least this many requests: below it a cache miss costs more than the wait it saves.
     rebalance_min_queue: int = 4
 
