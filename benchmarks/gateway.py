@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # token on the demo model), as a deployment sized for its sessions would: not every session on every backend.
     parser.add_argument("--kv-cache-memory", type=float, default=0.29, help="GiB of KV pool per backend")
     parser.add_argument("--overhead-requests", type=int, default=200)
-    parser.add_argument("--overhead-streams", type=int, default=10)
+    parser.add_argument("--overhead-streams", type=int, default=20)
     parser.add_argument("--overhead-repeats", type=int, default=1,
                         help="measure the overhead this many times over (the spread of a shared machine)")
     parser.add_argument("--seed", type=int, default=0)
@@ -231,6 +232,16 @@ def timed_post(client: httpx.Client, url: str, body: dict, headers: dict[str, st
     return time.perf_counter() - started, response
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds the process has used, from /proc ((0, 0) where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks  # utime, stime: fields 14 and 15 of stat(5)
+
+
 def overhead_run(gateway: ServerProcess, api_key: str, model: str, args: argparse.Namespace) -> dict:
     """Small requests, one at a time, alternating direct and through the gateway, to the same backend;
     `--overhead-repeats` times over, each repeat's added p50 kept for the spread."""
@@ -240,6 +251,8 @@ def overhead_run(gateway: ServerProcess, api_key: str, model: str, args: argpars
     with httpx.Client(timeout=60) as client:
         _, first = timed_post(client, f"{gateway.url}/v1/completions", body, pinned)
         backend_url = first.headers["x-kvserve-backend"]
+        # The gateway's own CPU per request: what it costs whatever the machine's load does to the wall clock.
+        cpu_before = cpu_seconds(gateway.process.pid)
         for _ in range(args.overhead_repeats):
             repeat_direct, repeat_through = [], []
             for _ in range(args.overhead_requests):
@@ -248,12 +261,14 @@ def overhead_run(gateway: ServerProcess, api_key: str, model: str, args: argpars
             added_by_repeat.append(float((np.median(repeat_through) - np.median(repeat_direct)) * 1000))
             direct += repeat_direct
             through += repeat_through
+        cpu_after = cpu_seconds(gateway.process.pid)
     gaps = asyncio.run(stream_gaps(gateway.url, backend_url, api_key, model, args.overhead_streams))
     return {"direct_p50_ms": float(np.median(direct) * 1000), "gateway_p50_ms": float(np.median(through) * 1000),
             "added_p50_ms": float((np.median(through) - np.median(direct)) * 1000),
             # Each gateway request beside the direct one just before it: steadier when the machine's load drifts.
             "added_paired_p50_ms": float(np.median(np.subtract(through, direct)) * 1000),
             "added_p50_by_repeat_ms": added_by_repeat,
+            "gateway_cpu_ms": [(after - before) * 1000 / len(through) for after, before in zip(cpu_after, cpu_before)],
             "direct_p90_ms": float(np.percentile(direct, 90) * 1000),
             "gateway_p90_ms": float(np.percentile(through, 90) * 1000),
             "itl_direct_p50_ms": gaps[0], "itl_gateway_p50_ms": gaps[1]}
@@ -427,6 +442,9 @@ def report_overhead(overhead: dict, args: argparse.Namespace) -> None:
           f"added p50 {overhead['added_p50_ms']:.2f} ms (paired p50 {overhead['added_paired_p50_ms']:.2f} ms) "
           f"({overhead['gateway_p50_ms'] / overhead['direct_p50_ms']:.2f}x); p90 {overhead['direct_p90_ms']:.2f} / "
           f"{overhead['gateway_p90_ms']:.2f} ms")
+    user_ms, system_ms = overhead["gateway_cpu_ms"]
+    print(f"the gateway process's CPU per request: {user_ms + system_ms:.2f} ms (user {user_ms:.2f}, system "
+          f"{system_ms:.2f}; loopback sends run the receiver's TCP path in the sender's system time)")
     repeats = overhead["added_p50_by_repeat_ms"]
     if len(repeats) > 1:
         print(f"added p50 in each of {len(repeats)} repeats: " + ", ".join(f"{r:.2f}" for r in repeats)

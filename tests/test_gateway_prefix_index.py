@@ -79,11 +79,19 @@ def test_a_pool_evicted_whole_expires_the_older_entries_from_the_backends_metric
     try:
         assert ask(gateway.url, ALPHA, "what is a block, and how many tokens does one hold?")[0] == "load"
         assert ask(gateway.url, ALPHA, "what is a block table, and who owns one of them?")[0] == "prefix"
+        # Wait for a health check after alpha's requests (the one the eviction marks count from): one more
+        # request to the backend itself moves its hit rate, and the gateway reads the same rate after it.
+        ask(backend.url, "a probe, nothing cached", "moves the backend's hit rate")
+        samples = backend.metrics()
+        rate = samples["vllm:prefix_cache_hits_total"] / samples["vllm:prefix_cache_queries_total"]
+        wait_for(lambda: metric(gateway.metrics(), "kvserve:gateway_backend_prefix_cache_hit_rate",
+                                backend=backend.url) == rate)
         evict_before, first = backend.metrics()["kvserve:prefix_cache_evictions_total"], 1000
         while backend.metrics()["kvserve:prefix_cache_evictions_total"] - evict_before < POOL_BLOCKS:
             evict_everything(backend, 4, first)
             first += 4
         wait_for(lambda: expiries(gateway, backend, "evictions") >= 1)
-        assert ask(gateway.url, ALPHA, "what is a slot mapping, and when is it computed?")[0] == "load"  # not promised a prefix it no longer has
+        # Not promised a prefix it no longer has:
+        assert ask(gateway.url, ALPHA, "what is a slot mapping, and when is it computed?")[0] == "load"
     finally:
         gateway.stop()

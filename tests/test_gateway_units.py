@@ -290,3 +290,23 @@ def test_the_router_moves_a_hot_session_once_and_its_next_requests_follow(tmp_pa
 
     asyncio.run(scenario())
     asyncio.run(sqlite.close())
+
+
+def test_a_held_session_stays_on_a_full_pool_and_leaves_a_queue(tmp_path):
+    from kvserve.gateway.routing import Router, RoutingConfig
+
+    backends = [queued(url, 0) for url in ("http://a", "http://b", "http://c")]
+    sqlite = SQLiteStore(str(tmp_path / "state.sqlite3"), StoreLimits())
+    router = Router(backends, sqlite, RoutingConfig())
+
+    async def scenario():
+        home = (await router.route("chat", [], set())).backend
+        home.load.kv_cache_usage = 0.95  # its pool full of its sessions' caches: past llm-d's 0.8, not a queue
+        stay = await router.route("chat", [], set())
+        assert (stay.backend, stay.reason) == (home, "session")
+        home.load.num_waiting = 6  # requests wait there now: the session leaves, with its history
+        moved = await router.route("chat", [], set())
+        assert moved.reason == "failover" and moved.backend is not home
+
+    asyncio.run(scenario())
+    asyncio.run(sqlite.close())

@@ -153,16 +153,7 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
     turn = take_conversation(body, key.key_id if key else None) if chat else None
     session_id = turn.session_id if turn else _header_session(request) or _user_of(body)
     block_hashes = [] if turn else prefix_block_hashes(body, gateway.settings.prefix_block_chars)
-    query = StateQuery(key_id=key.key_id if key else None, session_id=session_id,
-                       conversation_id=turn.conversation_id if turn else None)
-    reset_s = limits.ask_limits(query, key) if key else 0.0
-    if gateway.router.wants_prefix_lookup(session_id):
-        query.prefix_hashes = block_hashes
-    state = await gateway.store.read_request_state(query)  # the one round trip before routing
-    limit = None
-    if presented:
-        key = recheck_key(gateway, presented[0], state)
-        limit = check_limits(gateway, key, state, reset_s)
+    state, key, limit = await _read_state(gateway, presented, turn, session_id, block_hashes)
     if turn:
         put_history_first(body, turn, state.conversation)
         block_hashes = prefix_block_hashes(body, gateway.settings.prefix_block_chars)
@@ -177,6 +168,24 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
     if stream and upstream.response.status_code == 200:
         return _stream_response(gateway, exchange, upstream, StreamTap(drop_usage_event=drop_usage))
     return await _whole_response(gateway, exchange, upstream)
+
+
+async def _read_state(gateway: Gateway, presented: tuple[str, KeyRecord] | None, turn: ConversationTurn | None,
+                      session_id: str | None, block_hashes: list[str]
+                      ) -> tuple[RequestState, KeyRecord | None, LimitState | None]:
+    """The one store round trip before routing, and what it decides: (state, the key as stored now, its limits);
+    a 401 if the key was revoked meanwhile, a 429 over its limits."""
+    key = presented[1] if presented else None
+    query = StateQuery(key_id=key.key_id if key else None, session_id=session_id,
+                       conversation_id=turn.conversation_id if turn else None)
+    reset_s = limits.ask_limits(query, key) if key else 0.0
+    if gateway.router.wants_prefix_lookup(session_id):
+        query.prefix_hashes = block_hashes
+    state = await gateway.store.read_request_state(query)
+    if presented is None:
+        return state, None, None
+    key = recheck_key(gateway, presented[0], state)
+    return state, key, check_limits(gateway, key, state, reset_s)
 
 
 async def _open(gateway: Gateway, exchange: Exchange, content: bytes, known: RequestState) -> Upstream:

@@ -1,10 +1,15 @@
 """Which backend serves a request, and why.
 
-- A request with a session follows the session's backend (reason `session`) while it is up and not saturated,
-  and while its queue is not far past the others' (else it moves to the shortest queue: `rebalance`).
+- A request with a session follows the session's backend (reason `session`) while it is up and not queueing
+  (its /metrics reports llm-d's 5 waiting requests), and while its queue is not far past the others' (else it
+  moves to the shortest queue: `rebalance`).
   A new session is placed by consistent hashing with bounded load (`session_new` on its ring owner,
   `bounded` when the owner is over its share and the session goes further round the ring); a session whose
-  backend is down, refused it, or is saturated while another is not, moves (`failover`) and stays moved.
+  backend is down, refused it, or is queueing while another is not, moves (`failover`) and stays moved. High KV
+  usage alone never moves a held session: a pool full of its own sessions' caches is doing its job, and a move
+  costs the session its whole history (with pools sized to their sessions, llm-d's 80% KV saturation moved
+  sessions back and forth and cost 7.6% of all prompt tokens in benchmarks/gateway.py). Saturation (waiting
+  or KV usage) still steers new sessions and prefix requests.
 - A request without a session goes where the longest run of its prompt's leading blocks was last served
   (`prefix`), else to the least-loaded backend (`load`).
 - `round_robin` ignores all of it: the baseline the benchmark compares against.
@@ -116,7 +121,7 @@ class Router:
                              candidates: list[Backend]) -> RouteDecision:
         current = next((b for b in candidates if b.url == current_url), None)
         target = None
-        if current is not None and not (self._saturated(current) and self._unsaturated(candidates)):
+        if current is not None and not (self._queueing(current) and not all(map(self._queueing, candidates))):
             target = rebalance_target(current, candidates, self.config.rebalance_ratio,
                                       self.config.rebalance_min_queue)
             if target is None:
@@ -155,6 +160,11 @@ class Router:
         if match is not None and depth >= self.config.min_prefix_blocks and not self._saturated(match):
             return RouteDecision(match, PREFIX, depth, entry[1])
         return RouteDecision(min(candidates, key=Backend.load_score), LOAD)
+
+    def _queueing(self, backend: Backend) -> bool:
+        """Requests wait on it, by its own /metrics (not inferred from this gateway's in-flight count, which runs
+        ahead of a scrape up to an interval old and made every burst look like a queue)."""
+        return backend.load.num_waiting >= self.config.saturation_waiting
 
     def _saturated(self, backend: Backend) -> bool:
         return backend.saturation(self.config.saturation_waiting, self.config.saturation_kv_usage) >= 1.0
