@@ -211,3 +211,32 @@ def test_a_conversation_belongs_to_the_key_that_started_it(gateway, redis):
     assert turn(other, "someone else").status_code == 200  # the same name starts the other key's own
     assert [m["content"] for m in history(other).json()["messages"]][0] == "someone else"
     assert [m["content"] for m in history(owner).json()["messages"]][0] == "the owner's secret plan"
+
+
+def redis_command_calls(redis) -> dict[str, int]:
+    calls = {}
+    for line in redis.cli("INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_"):
+            name, _, fields = line[len("cmdstat_"):].partition(":")
+            calls[name] = int(dict(f.split("=") for f in fields.split(","))["calls"])
+    return calls
+
+
+def test_a_completion_with_a_known_key_reads_its_state_in_one_round_trip(gateway, redis):
+    key, _ = create_key(redis, "--rpm", "1000")
+
+    def post() -> httpx.Response:
+        return httpx.post(f"{gateway.base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                          timeout=30, json={"model": MODEL_NAME, "user": "one-trip", "max_tokens": 2,
+                                            "messages": [{"role": "user", "content": "hi"}]})
+
+    # The first verifies the key and places the session, the second refreshes the session's TTL (once a minute).
+    assert [post().status_code for _ in range(2)] == [200, 200]
+    redis.cli("CONFIG", "RESETSTAT")
+    assert [post().status_code for _ in range(3)] == [200, 200, 200]
+    calls = redis_command_calls(redis)
+    for own in ("info", "config|resetstat"):  # the test's own commands
+        calls.pop(own, None)
+    # Every command inside one MULTI/EXEC a request: the key's record (a revocation shows at once), the request
+    # counted in its window with the window's expiry, and the session's backend.
+    assert calls == {"multi": 3, "exec": 3, "hget": 3, "incrby": 3, "expire": 3, "get": 3}

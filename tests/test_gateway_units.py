@@ -63,9 +63,45 @@ def test_prompt_block_hashes_chain_over_shared_prefixes():
 
 
 def test_longest_match_takes_the_deepest_unbroken_block():
-    assert longest_match(["a", "a", "b", None, "c"]) == ("b", 3)
-    assert longest_match([None, "a"]) == (None, 0)
+    assert longest_match([("a", 1.0), ("a", 1.0), ("b", 2.0), None, ("c", 3.0)]) == (("b", 2.0), 3)
+    assert longest_match([None, ("a", 1.0)]) == (None, 0)
     assert longest_match([]) == (None, 0)
+
+
+def test_index_entries_at_or_before_their_backends_horizon_are_gone():
+    from kvserve.gateway.prefix import live_entries
+
+    values = ["http://a 10.000", "http://a 20.000", "http://b 5.000", None, "http://c"]
+    assert live_entries(values, {"http://a": "10.000"}) == [None, ("http://a", 20.0), ("http://b", 5.0), None, None]
+
+
+def test_a_prefix_decision_missed_when_the_backend_cached_well_under_its_promise():
+    from kvserve.gateway.prefix import cache_counts, prefix_missed
+
+    assert prefix_missed(depth=4, num_blocks=5, prompt_tokens=100, cached_tokens=16)  # promised ~80
+    assert not prefix_missed(depth=4, num_blocks=5, prompt_tokens=100, cached_tokens=64)
+    assert not prefix_missed(depth=4, num_blocks=5, prompt_tokens=100, cached_tokens=None)  # no usage, no verdict
+    assert cache_counts({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 3}}) == (9, 3)
+    assert cache_counts({"prompt_tokens": 9}) == (9, None) and cache_counts(None) == (None, None)
+
+
+def test_health_reads_find_when_a_backend_lost_its_cache():
+    from kvserve.gateway.backends import Backend, BackendLoad
+    from kvserve.gateway.health import cache_lost
+
+    backend = Backend("http://a")
+
+    def read(at: float, evictions: float, queries: float = 100.0):
+        lost = cache_lost(backend, load := BackendLoad(prefix_cache_queries=queries, evictions=evictions,
+                                                       capacity_blocks=10), at)
+        backend.load = load
+        return lost
+
+    assert read(1.0, 0) is None and read(2.0, 4) is None and read(3.0, 9) is None
+    assert read(4.0, 12) == (1.0, "evictions")  # a pool's worth (12 - 0) since the read at 1.0, not since 2.0
+    assert read(5.0, 12) is None  # nothing new to report
+    assert read(6.0, 30) == (5.0, "evictions")
+    assert read(7.0, 0, queries=3.0) == (7.0, "restart")  # counters started again: an empty cache
 
 
 def test_breaker_opens_after_failures_and_closes_after_a_good_trial():
@@ -201,3 +237,76 @@ def test_recent_writes_skip_only_the_same_write_within_the_interval():
     assert recent.due("s", "b")  # a moved session is a new write
     now[0] = 61.0
     assert recent.due("s", "a")
+
+
+def queued(url: str, in_flight: int, running: float = 0.0, waiting: float = 0.0):
+    from kvserve.gateway.backends import Backend, BackendLoad
+
+    return Backend(url, in_flight=in_flight, load=BackendLoad(num_running=running, num_waiting=waiting))
+
+
+def test_a_held_session_moves_only_off_a_queue_far_past_the_others():
+    from kvserve.gateway.rebalance import rebalance_target
+
+    hot, idle, busy = queued("a", 12), queued("b", 1), queued("c", 5)
+    assert rebalance_target(hot, [hot, idle, busy], 1.5, 4) is idle  # 12 > 1.5 x 6: to the shortest queue
+    assert rebalance_target(hot, [hot, idle, busy], 2.0, 4) is None  # 12 is not over 2 x 6
+    assert rebalance_target(busy, [hot, idle, busy], 1.5, 4) is None  # 5 is under 1.5 x the mean
+    assert rebalance_target(hot, [hot, idle, busy], 0.0, 4) is None  # moving for load turned off
+    small = queued("a", 3)
+    assert rebalance_target(small, [small, queued("b", 0), queued("c", 0)], 1.5, 4) is None  # too few to pay a miss
+    # 5 vs 3 is over 1.2 x the mean, but the target with the moved request (4) would be no shorter than what is
+    # left (4): the next request would move the session straight back. 6 vs 0 is worth it.
+    five, three = queued("a", 5), queued("b", 3)
+    assert rebalance_target(five, [five, three], 1.2, 4) is None
+    six, none = queued("a", 6), queued("b", 0)
+    assert rebalance_target(six, [six, none], 1.5, 4) is none
+    # Other replicas' requests, seen in the backend's /metrics, count as much as this replica's own.
+    reported = queued("a", 0, running=8, waiting=6)
+    assert rebalance_target(reported, [reported, queued("b", 0), queued("c", 1)], 1.5, 4).url == "b"
+
+
+def test_the_router_moves_a_hot_session_once_and_its_next_requests_follow(tmp_path):
+    from kvserve.gateway.request_state import StateQuery
+    from kvserve.gateway.routing import Router, RoutingConfig
+
+    backends = [queued(url, 0) for url in ("http://a", "http://b", "http://c")]
+    sqlite = SQLiteStore(str(tmp_path / "state.sqlite3"), StoreLimits())
+    router = Router(backends, sqlite, RoutingConfig())
+
+    async def scenario():
+        first = await router.route("hot", [], set())
+        assert first.reason == "session_new"
+        # The session's own parallel requests queue its backend: all running (the engine batches them), so it is
+        # not saturated, just far busier than the others.
+        first.backend.in_flight, first.backend.load.num_running = 10, 10.0
+        moved = await router.route("hot", [], set())
+        assert moved.reason == "rebalance" and moved.backend is not first.backend
+        assert await sqlite.get_session("hot") == moved.backend.url
+        moved.backend.in_flight = 3  # the old backend drains while the new one fills: no move back
+        assert await router.route("hot", [], set()) == moved.__class__(moved.backend, "session")
+        known = await sqlite.read_request_state(StateQuery(session_id="hot"))  # as a request's one read finds it
+        assert (await router.route("hot", [], set(), known)).backend is moved.backend
+
+    asyncio.run(scenario())
+    asyncio.run(sqlite.close())
+
+
+def test_a_held_session_stays_on_a_full_pool_and_leaves_a_queue(tmp_path):
+    from kvserve.gateway.routing import Router, RoutingConfig
+
+    backends = [queued(url, 0) for url in ("http://a", "http://b", "http://c")]
+    sqlite = SQLiteStore(str(tmp_path / "state.sqlite3"), StoreLimits())
+    router = Router(backends, sqlite, RoutingConfig())
+
+    async def scenario():
+        home = (await router.route("chat", [], set())).backend
+        home.load.kv_cache_usage = 0.95  # its pool full of its sessions' caches: past llm-d's 0.8, not a queue
+        stay = await router.route("chat", [], set())
+        assert (stay.backend, stay.reason) == (home, "session")
+        home.load.num_waiting = 6  # requests wait there now: the session leaves, with its history
+        moved = await router.route("chat", [], set())
+        assert moved.reason == "failover" and moved.backend is not home
+
+    asyncio.run(scenario())
+    asyncio.run(sqlite.close())

@@ -32,11 +32,21 @@ def make_backends(settings: GatewaySettings) -> list[Backend]:
             for url in settings.backends]
 
 
+# Idle connections are dropped before uvicorn's own 5 s keep-alive (kvserve's and vLLM's servers) closes them: at
+# equal timeouts a request (or a health check every 5 s) could be sent on a connection the backend was closing,
+# fail with a ReadError and count against a healthy backend (we saw a stub backend marked down that way).
+KEEPALIVE_EXPIRY_S = 4.0
+
+
 def make_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
     timeout = httpx.Timeout(settings.upstream_timeout_s, connect=settings.connect_timeout_s)
     # No pool cap: the backends' own queues are the limit, and a capped pool would queue requests unseen.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+def make_health_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=settings.health_timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
 
 def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
@@ -49,12 +59,18 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         gateway_store = store or open_store(settings.redis_url, settings.state_path, settings.store_limits)
         http = make_http_client(settings)
-        holder["gateway"] = Gateway(settings, gateway_store, backends,
-                                    Router(backends, gateway_store, settings.routing), metrics, http)
-        checks = httpx.AsyncClient(timeout=settings.health_timeout_s)
+        router = Router(backends, gateway_store, settings.routing)
+        holder["gateway"] = Gateway(settings, gateway_store, backends, router, metrics, http)
+
+        def on_cache_lost(backend: Backend, horizon: float, reason: str) -> None:
+            logger.info("backend %s lost its cached prefixes (%s): the prefix index forgets them", backend.url, reason)
+            metrics.prefix_expiries.labels(backend.url, reason).inc()
+            router.expire_prefixes(backend.url, horizon)
+
+        checks = make_health_client(settings)
         await check_all(checks, backends, settings.backend_headers())
         task = asyncio.create_task(health_loop(checks, backends, settings.backend_headers(),
-                                               settings.health_interval_s))
+                                               settings.health_interval_s, on_cache_lost))
         try:
             yield
         finally:

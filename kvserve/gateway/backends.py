@@ -7,10 +7,14 @@ each replica sees the same backends. Routing state (sessions, prefixes) lives in
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvserve.gateway.breaker import CircuitBreaker
+
+
+EVICTION_MARKS = 120  # ten minutes of health checks at the default 5 s
 
 
 class BadBackendURL(ValueError):
@@ -24,6 +28,8 @@ class BackendLoad:
     kv_cache_usage: float = 0.0  # 0..1, vllm:kv_cache_usage_perc
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    evictions: float = 0.0  # kvserve:prefix_cache_evictions_total (kvserve only; 0 from vLLM)
+    capacity_blocks: float = 0.0  # kvserve:kv_cache_capacity_blocks
 
 
 @dataclass(slots=True)
@@ -33,6 +39,9 @@ class Backend:
     healthy: bool = True
     load: BackendLoad = field(default_factory=BackendLoad)
     in_flight: int = 0  # requests this gateway has open on it: fresher than the last /metrics scrape
+    # (time, evictions so far) at each /metrics read, to find since when the backend evicted a whole pool.
+    eviction_marks: deque = field(default_factory=lambda: deque(maxlen=EVICTION_MARKS))
+    cache_horizon: float = 0.0  # the latest horizon reported for it (entries at or before it are gone)
 
     def available(self) -> bool:
         return self.healthy and self.breaker.allows_request()
@@ -41,6 +50,10 @@ class Backend:
         """llm-d's saturation: >= 1 means the backend should take no new work it can avoid."""
         waiting = max(self.load.num_waiting, self.in_flight - self.load.num_running)
         return max(waiting / max_waiting, self.load.kv_cache_usage / max_kv_usage)
+
+    def queue_length(self) -> float:
+        """Requests on the backend: this gateway's own in flight, or its /metrics running + waiting if more."""
+        return max(float(self.in_flight), self.load.num_running + self.load.num_waiting)
 
     def load_score(self) -> tuple[float, float, float]:
         # Queue first (what a new request waits behind), then KV usage (how soon it would preempt), then running.

@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-factor", type=float, default=1.0,
                         help="the most live sessions a backend takes new ones at, as a multiple of the mean "
                              "(>= 1; default 1.0, see RoutingConfig)")
+    parser.add_argument("--rebalance-ratio", type=float, default=2.0,
+                        help="a held session moves to the shortest queue when its backend's queue (at least 4 "
+                             "requests) is over this multiple of the mean and another backend is under it; one "
+                             "cache miss per move (0: never for load; default 2.0)")
     parser.add_argument("--max-attempts", type=int, default=3, help="upstream attempts per request (default 3)")
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
     parser.add_argument("--breaker-failures", type=int, default=5,
@@ -97,13 +101,16 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         raise StartupError("give at least one --backend URL")
     if args.load_factor < 1.0:
         raise StartupError("--load-factor must be at least 1")
+    if args.rebalance_ratio < 0 or 0 < args.rebalance_ratio <= 1:
+        raise StartupError("--rebalance-ratio must be 0 (off) or over 1")
     if args.max_attempts < 1:
         raise StartupError("--max-attempts must be at least 1")
     backends = list(dict.fromkeys(normalize_backend_url(url) for url in args.backend))
     return GatewaySettings(
         backends=backends, redis_url=args.redis_url, state_path=args.state_path,
         require_api_key=not args.disable_auth, backend_api_key=args.backend_api_key,
-        routing=RoutingConfig(policy=args.routing, load_factor=args.load_factor),
+        routing=RoutingConfig(policy=args.routing, load_factor=args.load_factor,
+                              rebalance_ratio=args.rebalance_ratio),
         retry=RetryPolicy(max_attempts=args.max_attempts),
         store_limits=StoreLimits(session_ttl_s=args.session_ttl, conversation_ttl_s=args.conversation_ttl,
                                  conversation_max_messages=args.conversation_max_messages),
@@ -147,10 +154,15 @@ def serve(settings: GatewaySettings, host: str, port: int, log_level: str) -> in
 
     from kvserve.gateway.app import build_app
 
+    import importlib.util
+
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = f"Redis {settings.redis_url}" if settings.redis_url else f"SQLite {settings.state_path}"
-    logging.getLogger("kvserve.gateway").info("gateway on %s:%d -> %s; state in %s; routing %s%s", host, port,
+    # uvicorn's "auto" takes them when installed (pip install kvserve[gateway]): each saves Python work per request.
+    fast = [name for name in ("uvloop", "httptools") if importlib.util.find_spec(name) is not None]
+    logging.getLogger("kvserve.gateway").info("gateway on %s:%d -> %s; state in %s; routing %s; %s%s", host, port,
                                                ", ".join(settings.backends), store, settings.routing.policy,
+                                               " and ".join(fast) if fast else "asyncio and h11 (no kvserve[gateway])",
                                                "" if settings.require_api_key else "; auth DISABLED")
     uvicorn.run(build_app(settings), host=host, port=port, log_level=log_level.lower(), access_log=False)
     return 0

@@ -30,8 +30,8 @@ class ConversationTurn:
         return f"conversation:{self.conversation_id}"
 
 
-async def expand_conversation(store: Store, body: dict, owner: str | None) -> ConversationTurn | None:
-    """Takes `conversation` out of `body` (the backend would reject it) and puts the history before its messages.
+def take_conversation(body: dict, owner: str | None) -> ConversationTurn | None:
+    """Takes `conversation` out of `body` (the backend would reject it): the turn to expand, None without one.
     `owner`: the key id of the request (None without keys)."""
     conversation_id = body.pop("conversation", None)
     if conversation_id is None:
@@ -42,9 +42,11 @@ async def expand_conversation(store: Store, body: dict, owner: str | None) -> Co
     new_messages = body.get("messages")
     if not isinstance(new_messages, list) or not new_messages or not all(isinstance(m, dict) for m in new_messages):
         raise bad_request("messages must be a non-empty list of message objects", param="messages")
-    conversation_id = stored_id(conversation_id, owner)
-    body["messages"] = [*await store.conversation_load(conversation_id), *new_messages]
-    return ConversationTurn(conversation_id, new_messages)
+    return ConversationTurn(stored_id(conversation_id, owner), new_messages)
+
+
+def put_history_first(body: dict, turn: ConversationTurn, history: list[dict]) -> None:
+    body["messages"] = [*history, *turn.new_messages]
 
 
 async def record_turn(store: Store, turn: ConversationTurn, answer: str) -> None:

@@ -8,20 +8,25 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kvserve.gateway import limits
 from kvserve.gateway.backends import Backend
-from kvserve.gateway.conversation import ConversationTurn, answer_of, expand_conversation, record_turn
-from kvserve.gateway.keys import KeyRecord, verify_key
+from kvserve.gateway.conversation import (
+    ConversationTurn, answer_of, put_history_first, record_turn, take_conversation,
+)
+from kvserve.gateway.key_cache import VerifiedKeys
+from kvserve.gateway.keys import KeyRecord, check_key, verify_key
 from kvserve.gateway.limits import LimitState
 from kvserve.gateway.metrics import BACKEND_ERROR, CLIENT_ERROR, CLIENT_GONE, SUCCESS, UNAVAILABLE, GatewayMetrics
-from kvserve.gateway.prefix import prefix_block_hashes
+from kvserve.gateway.prefix import cache_counts, prefix_block_hashes
 from kvserve.gateway.proxy import Upstream, UpstreamFailed, open_upstream
+from kvserve.gateway.request_state import RequestState, StateQuery
 from kvserve.gateway.routing import Router
 from kvserve.gateway.settings import GatewaySettings
 from kvserve.gateway.store import Store, StoreUnavailable
@@ -45,6 +50,7 @@ class Gateway:
     router: Router
     metrics: GatewayMetrics
     http: httpx.AsyncClient
+    verified_keys: VerifiedKeys = field(default_factory=VerifiedKeys)
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class Exchange:
     limit: LimitState | None
     turn: ConversationTurn | None
     session_id: str | None
+    block_hashes: list[str]  # the prompt's blocks as sent (history included), for the prefix index
 
     def response_headers(self, upstream: Upstream) -> dict[str, str]:
         headers = {BACKEND_HEADER: upstream.backend.url, ROUTE_HEADER: upstream.decision.reason}
@@ -66,29 +73,64 @@ class Exchange:
 
 
 async def authenticate(gateway: Gateway, request: Request) -> KeyRecord | None:
+    """The request's key checked against its stored record (one store read), None when auth is disabled."""
     if not gateway.settings.require_api_key:
         return None
-    token = bearer_token(request.headers.get("authorization", "").encode())
-    record = await verify_key(gateway.store, token.decode(errors="replace")) if token else None
+    key = _presented_key(request)
+    record = await verify_key(gateway.store, key) if key else None
     if record is None:
-        gateway.metrics.rejected.labels("unauthorized").inc()
-        raise APIError(401, "Incorrect API key provided. Send a key from `kvserve gateway keys create` as "
-                       "'Authorization: Bearer <key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise _unauthorized(gateway)
     return record
 
 
-async def admit(gateway: Gateway, key: KeyRecord | None) -> LimitState | None:
-    if key is None:
+async def key_verified_before(gateway: Gateway, request: Request) -> tuple[str, KeyRecord] | None:
+    """(key, record) for a completion: a key this process verified before is taken as it was until the request's
+    state read checks it again (recheck_key); a new one is verified now. None when auth is disabled."""
+    if not gateway.settings.require_api_key:
         return None
-    state = await limits.admit(gateway.store, key)
-    exceeded = state.exceeded
+    key = _presented_key(request)
+    if not key:
+        raise _unauthorized(gateway)
+    record = gateway.verified_keys.get(key)
+    if record is None:
+        record = await verify_key(gateway.store, key)
+        if record is None:
+            raise _unauthorized(gateway)
+        gateway.verified_keys.put(key, record)
+    return key, record
+
+
+def recheck_key(gateway: Gateway, key: str, state: RequestState) -> KeyRecord:
+    """The key against its record as the request's state read found it: revoked since is a 401 now."""
+    record = check_key(state.key_record, key)
+    if record is None:
+        gateway.verified_keys.forget(key)
+        raise _unauthorized(gateway)
+    gateway.verified_keys.put(key, record)
+    return record
+
+
+def _presented_key(request: Request) -> str | None:
+    token = bearer_token(request.headers.get("authorization", "").encode())
+    return token.decode(errors="replace") if token else None
+
+
+def _unauthorized(gateway: Gateway) -> APIError:
+    gateway.metrics.rejected.labels("unauthorized").inc()
+    return APIError(401, "Incorrect API key provided. Send a key from `kvserve gateway keys create` as "
+                    "'Authorization: Bearer <key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def check_limits(gateway: Gateway, key: KeyRecord, state: RequestState, reset_s: float) -> LimitState:
+    limit = limits.limit_state(key, state, reset_s)
+    exceeded = limit.exceeded
     if exceeded is not None:
         gateway.metrics.rejected.labels(f"rate_limit_{exceeded}").inc()
-        limit = state.requests_limit if exceeded == "requests" else state.tokens_limit
-        raise APIError(429, f"Rate limit reached for key {key.key_id} on {exceeded} per minute: limit {limit}. "
-                       f"Try again in {math.ceil(state.reset_s)}s.", type=exceeded, code="rate_limit_exceeded",
-                       headers={**state.headers(), "Retry-After": str(math.ceil(state.reset_s))})
-    return state
+        allowed = limit.requests_limit if exceeded == "requests" else limit.tokens_limit
+        raise APIError(429, f"Rate limit reached for key {key.key_id} on {exceeded} per minute: limit {allowed}. "
+                       f"Try again in {math.ceil(limit.reset_s)}s.", type=exceeded, code="rate_limit_exceeded",
+                       headers={**limit.headers(), "Retry-After": str(math.ceil(limit.reset_s))})
+    return limit
 
 
 def parse_body(raw: bytes) -> dict:
@@ -102,32 +144,56 @@ def parse_body(raw: bytes) -> dict:
 
 
 async def forward_completion(gateway: Gateway, request: Request, path: str, chat: bool) -> Response:
-    key = await authenticate(gateway, request)
-    limit = await admit(gateway, key)
+    presented = await key_verified_before(gateway, request)
+    key = presented[1] if presented else None
     raw = await request.body()
     body = parse_body(raw)
     if "conversation" in body and not chat:
         raise bad_request("conversation is only for /v1/chat/completions", param="conversation")
-    turn = await expand_conversation(gateway.store, body, key.key_id if key else None) if chat else None
+    turn = take_conversation(body, key.key_id if key else None) if chat else None
     session_id = turn.session_id if turn else _header_session(request) or _user_of(body)
+    block_hashes = [] if turn else prefix_block_hashes(body, gateway.settings.prefix_block_chars)
+    state, key, limit = await _read_state(gateway, presented, turn, session_id, block_hashes)
+    if turn:
+        put_history_first(body, turn, state.conversation)
+        block_hashes = prefix_block_hashes(body, gateway.settings.prefix_block_chars)
     stream = bool(body.get("stream"))
     drop_usage = stream and key is not None and key.tokens_per_minute > 0 and not _asked_usage(body)
     if drop_usage:  # the gateway must count this stream's tokens; the client did not ask to see them
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    # The client's bytes as they came unless the gateway changed the body: no second serialization.
     content = raw if turn is None and not drop_usage else json.dumps(body, ensure_ascii=False).encode()
-    exchange = Exchange(path, body, key, limit, turn, session_id)
-    upstream = await _open(gateway, exchange, content)
+    exchange = Exchange(path, body, key, limit, turn, session_id, block_hashes)
+    upstream = await _open(gateway, exchange, content, state)
     if stream and upstream.response.status_code == 200:
         return _stream_response(gateway, exchange, upstream, StreamTap(drop_usage_event=drop_usage))
     return await _whole_response(gateway, exchange, upstream)
 
 
-async def _open(gateway: Gateway, exchange: Exchange, content: bytes) -> Upstream:
+async def _read_state(gateway: Gateway, presented: tuple[str, KeyRecord] | None, turn: ConversationTurn | None,
+                      session_id: str | None, block_hashes: list[str]
+                      ) -> tuple[RequestState, KeyRecord | None, LimitState | None]:
+    """The one store round trip before routing, and what it decides: (state, the key as stored now, its limits);
+    a 401 if the key was revoked meanwhile, a 429 over its limits."""
+    key = presented[1] if presented else None
+    query = StateQuery(key_id=key.key_id if key else None, session_id=session_id,
+                       conversation_id=turn.conversation_id if turn else None)
+    reset_s = limits.ask_limits(query, key) if key else 0.0
+    if gateway.router.wants_prefix_lookup(session_id):
+        query.prefix_hashes = block_hashes
+    state = await gateway.store.read_request_state(query)
+    if presented is None:
+        return state, None, None
+    key = recheck_key(gateway, presented[0], state)
+    return state, key, check_limits(gateway, key, state, reset_s)
+
+
+async def _open(gateway: Gateway, exchange: Exchange, content: bytes, known: RequestState) -> Upstream:
     headers = {"content-type": "application/json", **gateway.settings.backend_headers()}
-    block_hashes = prefix_block_hashes(exchange.body, gateway.settings.prefix_block_chars)
     try:
         return await open_upstream(gateway.http, gateway.router, gateway.metrics, gateway.settings.retry,
-                                   exchange.path, content, headers, exchange.session_id, block_hashes)
+                                   exchange.path, content, headers, exchange.session_id, exchange.block_hashes,
+                                   known)
     except UpstreamFailed as exc:
         gateway.metrics.requests.labels("none", UNAVAILABLE).inc()
         raise APIError(503, f"no backend could take the request: {exc}", type=SERVER_ERROR,
@@ -144,13 +210,18 @@ async def _whole_response(gateway: Gateway, exchange: Exchange, upstream: Upstre
     finally:
         await upstream.close()
     status = upstream.response.status_code
+    count_tokens = None
     if status == 200:
         completion = _json_or_none(content)
-        await _finish(gateway, exchange, answer_of(completion) if completion else None,
-                      _total_tokens(completion))
+        _observe_cache(gateway, exchange, upstream, (completion or {}).get("usage"))
+        await _record_turn(gateway, exchange, answer_of(completion) if completion else None)
+        # Counted once the answer is sent (a store round trip the client need not wait for); the next
+        # turn of a conversation, by contrast, must find this one stored, so that is awaited above.
+        count_tokens = BackgroundTask(_count_tokens, gateway, exchange, _total_tokens(completion))
     gateway.metrics.requests.labels(upstream.backend.url, _outcome(status)).inc()
     media_type = upstream.response.headers.get("content-type", "application/json")
-    return Response(content, status_code=status, media_type=media_type, headers=exchange.response_headers(upstream))
+    return Response(content, status_code=status, media_type=media_type, headers=exchange.response_headers(upstream),
+                    background=count_tokens)
 
 
 def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, tap: StreamTap) -> Response:
@@ -176,8 +247,10 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
             upstream.backend.breaker.on_failure()
         gateway.metrics.requests.labels(upstream.backend.url, outcome[0]).inc()
         if tap.done:
+            _observe_cache(gateway, exchange, upstream, tap.usage)
             try:
-                await _finish(gateway, exchange, tap.text, tap.total_tokens)
+                await _record_turn(gateway, exchange, tap.text)
+                await _count_tokens(gateway, exchange, tap.total_tokens)
             except StoreUnavailable as exc:  # the answer has reached the client; only the record is lost
                 logger.warning("could not store a streamed turn: %s", exc)
 
@@ -185,11 +258,22 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
     return UpstreamStreamResponse(events(), headers, on_close)
 
 
-async def _finish(gateway: Gateway, exchange: Exchange, answer: str | None, total_tokens: int) -> None:
+def _observe_cache(gateway: Gateway, exchange: Exchange, upstream: Upstream, usage: object) -> None:
+    if gateway.router.observe_cache(upstream.decision, exchange.block_hashes, *cache_counts(usage)):
+        gateway.metrics.prefix_expiries.labels(upstream.backend.url, "missed").inc()
+
+
+async def _record_turn(gateway: Gateway, exchange: Exchange, answer: str | None) -> None:
     if exchange.turn is not None and answer is not None:
         await record_turn(gateway.store, exchange.turn, answer)
+
+
+async def _count_tokens(gateway: Gateway, exchange: Exchange, total_tokens: int) -> None:
     if exchange.key is not None:
-        await limits.add_tokens(gateway.store, exchange.key, total_tokens)
+        try:
+            await limits.add_tokens(gateway.store, exchange.key, total_tokens)
+        except StoreUnavailable as exc:  # after the answer: the count is lost, the answer was not
+            logger.warning("could not count a request's tokens: %s", exc)
 
 
 def _outcome(status: int) -> str:

@@ -1,10 +1,14 @@
 """Health checks: every interval each backend's `/health` says whether it is up and its `/metrics` gives its
-load (vLLM's gauge names, summed over models and engines)."""
+load (vLLM's gauge names, summed over models and engines), and whether its cache lost what the prefix index
+says it holds: its counters started again (a restart: an empty cache), or since some earlier check it has
+evicted as many blocks as its pool holds (its cache is LRU: everything it held at that check is gone)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,7 +23,13 @@ LOAD_METRICS = {
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
     "vllm:prefix_cache_queries_total": "prefix_cache_queries",
     "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "kvserve:prefix_cache_evictions_total": "evictions",
+    "kvserve:kv_cache_capacity_blocks": "capacity_blocks",
 }
+RESTART, EVICTIONS = "restart", "evictions"
+
+# Called with (backend, horizon, reason) when a backend's cache lost the entries recorded at or before horizon.
+CacheLost = Callable[[Backend, float, str], None]
 
 
 def parse_load(metrics_text: str) -> BackendLoad:
@@ -32,7 +42,34 @@ def parse_load(metrics_text: str) -> BackendLoad:
     return load
 
 
-async def check_backend(http: httpx.AsyncClient, backend: Backend, headers: dict[str, str]) -> None:
+def cache_lost(backend: Backend, load: BackendLoad, now: float) -> tuple[float, str] | None:
+    """(horizon, reason) when this /metrics read shows the backend lost what it cached up to a time it had not
+    been reported to have lost before, else None. Notes the read in the backend's eviction marks."""
+    if load.prefix_cache_queries < backend.load.prefix_cache_queries:
+        backend.eviction_marks.clear()
+        lost = (now, RESTART)
+    else:
+        horizon = eviction_horizon(backend.eviction_marks, load.evictions, load.capacity_blocks)
+        lost = (horizon, EVICTIONS) if horizon is not None else None
+    backend.eviction_marks.append((now, load.evictions))
+    if lost is None or lost[0] <= backend.cache_horizon:
+        return None
+    backend.cache_horizon = lost[0]
+    return lost
+
+
+def eviction_horizon(marks, evictions: float, capacity_blocks: float) -> float | None:
+    """The latest mark (time, evictions then) since which at least a whole pool was evicted."""
+    if capacity_blocks <= 0:
+        return None
+    for at, evictions_then in reversed(marks):
+        if evictions - evictions_then >= capacity_blocks:
+            return at
+    return None
+
+
+async def check_backend(http: httpx.AsyncClient, backend: Backend, headers: dict[str, str],
+                        on_cache_lost: CacheLost | None = None) -> None:
     try:
         health = await http.get(f"{backend.url}/health", headers=headers)
         metrics = await http.get(f"{backend.url}/metrics", headers=headers)
@@ -43,7 +80,11 @@ async def check_backend(http: httpx.AsyncClient, backend: Backend, headers: dict
         _set_health(backend, False, f"/health answered {health.status_code}")
         return
     if metrics.status_code == 200:
-        backend.load = parse_load(metrics.text)
+        load, now = parse_load(metrics.text), time.time()
+        lost = cache_lost(backend, load, now)
+        if lost is not None and on_cache_lost is not None:
+            on_cache_lost(backend, *lost)
+        backend.load = load
     _set_health(backend, True, "")
 
 
@@ -53,12 +94,13 @@ def _set_health(backend: Backend, healthy: bool, why: str) -> None:
     backend.healthy = healthy
 
 
-async def check_all(http: httpx.AsyncClient, backends: list[Backend], headers: dict[str, str]) -> None:
-    await asyncio.gather(*(check_backend(http, backend, headers) for backend in backends))
+async def check_all(http: httpx.AsyncClient, backends: list[Backend], headers: dict[str, str],
+                    on_cache_lost: CacheLost | None = None) -> None:
+    await asyncio.gather(*(check_backend(http, backend, headers, on_cache_lost) for backend in backends))
 
 
 async def health_loop(http: httpx.AsyncClient, backends: list[Backend], headers: dict[str, str],
-                      interval_s: float) -> None:
+                      interval_s: float, on_cache_lost: CacheLost | None = None) -> None:
     while True:
-        await check_all(http, backends, headers)
+        await check_all(http, backends, headers, on_cache_lost)
         await asyncio.sleep(interval_s)

@@ -47,7 +47,11 @@ async def verify_key(store: Store, key: str) -> KeyRecord | None:
     key_id = key_id_of(key)
     if key_id is None:
         return None
-    body = await store.key_get(key_id)
+    return check_key(await store.key_get(key_id), key)
+
+
+def check_key(body: dict | None, key: str) -> KeyRecord | None:
+    """The record stored for the key's id, if `key` is that record's key and it is not revoked."""
     if body is None:
         return None
     record = KeyRecord(**body)

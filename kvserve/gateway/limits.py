@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.gateway.keys import KeyRecord
+from kvserve.gateway.request_state import RequestState, StateQuery
 from kvserve.gateway.store import Store
 
 WINDOW_S = 60
@@ -51,14 +52,27 @@ def _window(now: float) -> tuple[int, float]:
     return window, (window + 1) * WINDOW_S - now
 
 
-async def admit(store: Store, key: KeyRecord, now: float | None = None) -> LimitState:
-    """Counts this request in its window and says where the key stands."""
+def ask_limits(query: StateQuery, key: KeyRecord, now: float | None = None) -> float:
+    """Adds the key's window counters to `query` (this request counted); returns the seconds the window has left."""
     window, reset_s = _window(time.time() if now is None else now)
-    requests_used = 0
     if key.requests_per_minute:
-        requests_used = await store.counter_add(f"{key.key_id}:requests:{window}", 1, WINDOW_S + 5)
-    tokens_used = await store.counter_get(f"{key.key_id}:tokens:{window}") if key.tokens_per_minute else 0
-    return LimitState(key.requests_per_minute, requests_used, key.tokens_per_minute, tokens_used, reset_s)
+        query.requests_counter = f"{key.key_id}:requests:{window}"
+        query.counter_ttl_s = WINDOW_S + 5
+    if key.tokens_per_minute:
+        query.tokens_counter = f"{key.key_id}:tokens:{window}"
+    return reset_s
+
+
+def limit_state(key: KeyRecord, state: RequestState, reset_s: float) -> LimitState:
+    return LimitState(key.requests_per_minute, state.requests_used, key.tokens_per_minute, state.tokens_used, reset_s)
+
+
+async def admit(store: Store, key: KeyRecord, now: float | None = None) -> LimitState:
+    """Counts this request in its window and says where the key stands (alone; a completion asks it together
+    with the rest of its state)."""
+    query = StateQuery()
+    reset_s = ask_limits(query, key, now)
+    return limit_state(key, await store.read_request_state(query), reset_s)
 
 
 async def add_tokens(store: Store, key: KeyRecord, num_tokens: int, now: float | None = None) -> None:

@@ -26,6 +26,11 @@ class GatewayMetrics:
                                ["backend"], registry=self.registry)
         self.rejected = Counter("kvserve:gateway_rejected", "Requests refused by the gateway itself, by reason",
                                 ["reason"], registry=self.registry)
+        self.prefix_expiries = Counter("kvserve:gateway_prefix_index_expiries",
+                                       "Times a backend's prefix-index entries were expired, by what showed its "
+                                       "cache lost them (missed: a prefix-routed request did not hit; evictions: "
+                                       "its whole pool turned over; restart: its counters started again)",
+                                       ["backend", "reason"], registry=self.registry)
         self.upstream_latency = Histogram("kvserve:gateway_upstream_latency_seconds",
                                           "Time from sending to a backend to its response headers",
                                           ["backend"], buckets=LATENCY_BUCKETS, registry=self.registry)

@@ -35,10 +35,50 @@ def prefix_block_hashes(body: dict, block_chars: int = DEFAULT_BLOCK_CHARS) -> l
     return hashes
 
 
-def longest_match(block_backends: list[str | None]) -> tuple[str | None, int]:
-    """(backend, blocks matched) for the deepest block of the unbroken leading chain that some backend served:
+# A block's entry in the index: the backend that last served a prompt through it, and when (time.time()).
+PrefixEntry = tuple[str, float]
+
+
+def longest_match(entries: list[PrefixEntry | None]) -> tuple[PrefixEntry | None, int]:
+    """(entry, blocks matched) for the deepest block of the unbroken leading chain that some backend served:
     that backend served the longest prefix most recently."""
     depth = 0
-    while depth < len(block_backends) and block_backends[depth] is not None:
+    while depth < len(entries) and entries[depth] is not None:
         depth += 1
-    return (block_backends[depth - 1], depth) if depth else (None, 0)
+    return (entries[depth - 1], depth) if depth else (None, 0)
+
+
+def live_entries(values: list[str | None], horizons: dict[str, str]) -> list[PrefixEntry | None]:
+    """Stored 'backend seen' values as entries, None where absent or at/before the backend's cache horizon (an
+    entry of an older gateway, a bare URL, counts as seen at 0)."""
+    entries: list[PrefixEntry | None] = []
+    for value in values:
+        backend, _, seen_text = (value or "").partition(" ")
+        seen = float(seen_text or 0.0)
+        alive = bool(backend) and seen > float(horizons.get(backend, 0.0))
+        entries.append((backend, seen) if alive else None)
+    return entries
+
+
+# A `prefix` decision missed when the backend reports under this share of the cached tokens the match promised.
+MISSED_SHARE = 0.5
+
+
+def prefix_missed(depth: int, num_blocks: int, prompt_tokens: int | None, cached_tokens: int | None) -> bool:
+    """Whether the backend's cached_tokens fall well short of the `depth` blocks the index matched out of the
+    prompt's `num_blocks` (blocks are characters and the backend counts tokens, so the promise is a share of the
+    prompt). No usage, no verdict."""
+    if prompt_tokens is None or cached_tokens is None or not depth or not num_blocks or prompt_tokens <= 0:
+        return False
+    promised = prompt_tokens * min(1.0, depth / num_blocks)
+    return cached_tokens < MISSED_SHARE * promised
+
+
+def cache_counts(usage: object) -> tuple[int | None, int | None]:
+    """(prompt_tokens, cached_tokens) of an OpenAI usage object; None for what it does not say."""
+    if not isinstance(usage, dict):
+        return None, None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt = usage.get("prompt_tokens")
+    return (prompt if isinstance(prompt, int) else None), (cached if isinstance(cached, int) else None)

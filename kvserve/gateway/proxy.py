@@ -13,6 +13,7 @@ import httpx
 
 from kvserve.gateway.backends import Backend
 from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.request_state import RequestState
 from kvserve.gateway.routing import NoBackendAvailable, RouteDecision, Router
 
 # Errors that prove the backend did not start on the request (or never got it), so resending cannot duplicate.
@@ -51,13 +52,14 @@ class Upstream:
 
 async def open_upstream(http: httpx.AsyncClient, router: Router, metrics: GatewayMetrics, policy: RetryPolicy,
                         path: str, content: bytes, headers: dict[str, str], session_id: str | None,
-                        block_hashes: list[str]) -> Upstream:
+                        block_hashes: list[str], known: RequestState | None = None) -> Upstream:
+    """`known`: the request's state as read before routing, good for the first attempt only."""
     tried: set[str] = set()
     last_failure = "no attempt made"
     for attempt in range(policy.max_attempts):
         await asyncio.sleep(policy.delay_s(attempt))
         try:
-            decision = await router.route(session_id, block_hashes, tried)
+            decision = await router.route(session_id, block_hashes, tried, known if attempt == 0 else None)
         except NoBackendAvailable as exc:
             raise UpstreamFailed(f"{exc}; last failure: {last_failure}" if tried else str(exc)) from None
         metrics.routing.labels(decision.reason).inc()

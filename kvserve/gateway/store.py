@@ -4,7 +4,9 @@ an embedded SQLite file otherwise (so a restart keeps it). Nothing routing depen
 What is stored:
 - sessions: session id -> backend URL, with a last-seen time; a session unseen for `session_ttl_s` is forgotten
   and no longer counts toward its backend's share;
-- the prefix index: prompt-block hash -> the backend that last served a prompt starting with that block chain;
+- the prefix index: prompt-block hash -> the backend that last served a prompt starting with that block chain,
+  and when; plus each backend's cache horizon: entries recorded at or before it are gone from that backend's
+  cache (it evicted them or restarted, see prefix_feedback) and no longer route;
 - conversations: the messages of each conversation, in order, bounded in length, expiring after a TTL;
 - counters: rate-limit windows (they expire with their window);
 - API keys: salted hashes and limits, never the key itself.
@@ -25,7 +27,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from kvserve.gateway.prefix import PrefixEntry, live_entries
 from kvserve.gateway.recent import RecentWrites
+from kvserve.gateway.request_state import RequestState, StateQuery
 
 PREFIX = "kvgw:"
 
@@ -41,8 +45,9 @@ class Store(Protocol):
     async def get_session(self, session_id: str) -> str | None: ...
     async def set_session(self, session_id: str, backend: str, previous: str | None) -> None: ...
     async def session_counts(self) -> dict[str, int]: ...
-    async def prefix_lookup(self, block_hashes: list[str]) -> list[str | None]: ...
+    async def prefix_lookup(self, block_hashes: list[str]) -> list[PrefixEntry | None]: ...
     async def prefix_record(self, block_hashes: list[str], backend: str) -> None: ...
+    async def prefix_expire(self, backend: str, horizon: float) -> None: ...
     async def conversation_load(self, conversation_id: str) -> list[dict]: ...
     async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None: ...
     async def counter_add(self, name: str, amount: int, ttl_s: int) -> int: ...
@@ -50,6 +55,7 @@ class Store(Protocol):
     async def key_put(self, key_id: str, record: dict) -> None: ...
     async def key_get(self, key_id: str) -> dict | None: ...
     async def key_list(self) -> list[dict]: ...
+    async def read_request_state(self, query: StateQuery) -> RequestState: ...
     async def close(self) -> None: ...
 
 
@@ -131,18 +137,29 @@ class RedisStore:
         results = await self._call(pipe.execute())
         return {backend: int(count) for backend, count in zip(sorted(backends), results[1::2])}
 
-    async def prefix_lookup(self, block_hashes: list[str]) -> list[str | None]:
+    async def prefix_lookup(self, block_hashes: list[str]) -> list[PrefixEntry | None]:
         if not block_hashes:
             return []
-        return await self._call(self.redis.mget([f"{PREFIX}prefix:{h}" for h in block_hashes]))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.mget([f"{PREFIX}prefix:{h}" for h in block_hashes])
+        pipe.hgetall(f"{PREFIX}horizons")
+        values, horizons = await self._call(pipe.execute())
+        return live_entries(values, horizons)
 
     async def prefix_record(self, block_hashes: list[str], backend: str) -> None:
         if not block_hashes:
             return
+        value = f"{backend} {time.time():.3f}"  # a URL holds no space
         pipe = self.redis.pipeline(transaction=False)
         for block_hash in block_hashes:
-            pipe.set(f"{PREFIX}prefix:{block_hash}", backend, ex=self.limits.prefix_ttl_s)
+            pipe.set(f"{PREFIX}prefix:{block_hash}", value, ex=self.limits.prefix_ttl_s)
         await self._call(pipe.execute())
+
+    async def prefix_expire(self, backend: str, horizon: float) -> None:
+        # Only ever forward: a late report of an older eviction must not bring back what a newer one expired.
+        script = ("local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') "
+                  "if tonumber(ARGV[2]) > old then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end")
+        await self._call(self.redis.eval(script, 1, f"{PREFIX}horizons", backend, f"{horizon:.3f}"))
 
     async def conversation_load(self, conversation_id: str) -> list[dict]:
         items = await self._call(self.redis.lrange(f"{PREFIX}conversation:{conversation_id}", 0, -1))
@@ -178,6 +195,43 @@ class RedisStore:
         bodies = await self._call(self.redis.hvals(f"{PREFIX}keys"))
         return sorted((json.loads(b) for b in bodies), key=lambda r: r["created_at"])
 
+    async def read_request_state(self, query: StateQuery) -> RequestState:
+        """One MULTI/EXEC: one round trip whatever the query holds, and the counter's INCR and EXPIRE together."""
+        pipe = self.redis.pipeline(transaction=True)
+        if query.key_id is not None:
+            pipe.hget(f"{PREFIX}keys", query.key_id)
+        if query.requests_counter is not None:
+            pipe.incrby(f"{PREFIX}counter:{query.requests_counter}", 1)
+            pipe.expire(f"{PREFIX}counter:{query.requests_counter}", query.counter_ttl_s)
+        if query.tokens_counter is not None:
+            pipe.get(f"{PREFIX}counter:{query.tokens_counter}")
+        if query.session_id is not None:
+            pipe.get(f"{PREFIX}session:{query.session_id}")
+        if query.conversation_id is not None:
+            pipe.lrange(f"{PREFIX}conversation:{query.conversation_id}", 0, -1)
+        if query.prefix_hashes:
+            pipe.mget([f"{PREFIX}prefix:{h}" for h in query.prefix_hashes])
+            pipe.hgetall(f"{PREFIX}horizons")
+        results = iter(await self._call(pipe.execute()))
+        state = RequestState()
+        if query.key_id is not None:
+            body = next(results)
+            state.key_record = None if body is None else json.loads(body)
+        if query.requests_counter is not None:
+            state.requests_used = int(next(results))
+            next(results)  # EXPIRE's answer
+        if query.tokens_counter is not None:
+            state.tokens_used = int(next(results) or 0)
+        if query.session_id is not None:
+            state.session_backend = next(results)
+            if state.session_backend is not None and self.recent.due(query.session_id, state.session_backend):
+                spawn(self._refresh_session(query.session_id, state.session_backend))
+        if query.conversation_id is not None:
+            state.conversation = [json.loads(item) for item in next(results)]
+        if query.prefix_hashes:
+            state.prefix_entries = live_entries(next(results), next(results))
+        return state
+
     async def close(self) -> None:
         await self.redis.aclose()
 
@@ -186,6 +240,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, backend TEXT NOT NULL, seen REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS sessions_by_backend ON sessions (backend, seen);
 CREATE TABLE IF NOT EXISTS prefixes (block_hash TEXT PRIMARY KEY, backend TEXT NOT NULL, seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS horizons (backend TEXT PRIMARY KEY, horizon REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS messages (conversation_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
                                      seen REAL NOT NULL, PRIMARY KEY (conversation_id, seq));
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL, expires REAL NOT NULL);
@@ -246,14 +301,20 @@ class SQLiteStore:
         if not block_hashes:
             return []
         marks = ",".join("?" * len(block_hashes))
-        rows = self._run(f"SELECT block_hash, backend FROM prefixes WHERE block_hash IN ({marks}) AND seen > ?",
+        rows = self._run(f"SELECT block_hash, prefixes.backend, seen FROM prefixes LEFT JOIN horizons "
+                         f"ON horizons.backend = prefixes.backend WHERE block_hash IN ({marks}) AND seen > ? "
+                         f"AND seen > coalesce(horizon, 0)",
                          (*block_hashes, time.time() - self.limits.prefix_ttl_s))
-        found = dict(rows)
+        found = {block_hash: (backend, seen) for block_hash, backend, seen in rows}
         return [found.get(h) for h in block_hashes]
 
     async def prefix_record(self, block_hashes: list[str], backend: str) -> None:
         now = time.time()
         self._run("INSERT OR REPLACE INTO prefixes VALUES (?, ?, ?)", many=[(h, backend, now) for h in block_hashes])
+
+    async def prefix_expire(self, backend: str, horizon: float) -> None:
+        self._run("INSERT INTO horizons VALUES (?, ?) ON CONFLICT (backend) DO UPDATE "
+                  "SET horizon = max(horizon, excluded.horizon)", (backend, horizon))
 
     async def conversation_load(self, conversation_id: str) -> list[dict]:
         rows = self._run("SELECT body FROM messages WHERE conversation_id = ? AND seen > ? ORDER BY seq",
@@ -301,6 +362,22 @@ class SQLiteStore:
     async def key_list(self) -> list[dict]:
         rows = self._run("SELECT body FROM api_keys")
         return sorted((json.loads(body) for (body,) in rows), key=lambda r: r["created_at"])
+
+    async def read_request_state(self, query: StateQuery) -> RequestState:
+        # A local file: the statements one after another cost microseconds, no round trips to save.
+        state = RequestState()
+        if query.key_id is not None:
+            state.key_record = await self.key_get(query.key_id)
+        if query.requests_counter is not None:
+            state.requests_used = await self.counter_add(query.requests_counter, 1, query.counter_ttl_s)
+        if query.tokens_counter is not None:
+            state.tokens_used = await self.counter_get(query.tokens_counter)
+        if query.session_id is not None:
+            state.session_backend = await self.get_session(query.session_id)
+        if query.conversation_id is not None:
+            state.conversation = await self.conversation_load(query.conversation_id)
+        state.prefix_entries = await self.prefix_lookup(query.prefix_hashes)
+        return state
 
     async def close(self) -> None:
         with self.lock:

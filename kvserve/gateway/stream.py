@@ -34,6 +34,7 @@ class StreamTap:
     drop_usage_event: bool = False  # the gateway asked for usage; the client did not, so it must not see it
     text_parts: list[str] = field(default_factory=list)
     total_tokens: int = 0
+    usage: dict | None = None
     done: bool = False
 
     def read(self, event: bytes) -> bool:
@@ -56,6 +57,7 @@ class StreamTap:
     def _read_chunk(self, chunk: dict) -> bool:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
+            self.usage = usage
             self.total_tokens = int(usage.get("total_tokens") or 0)
         choices = chunk.get("choices") or []
         for choice in choices:
