@@ -5,7 +5,6 @@ every rank, so one block table addresses all of them) and the runner over both."
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +18,6 @@ from kvserve.engine.pool_sizing import PoolPlan, plan_kv_pool
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.tensor_parallel import TensorShard
 
-logger = logging.getLogger("kvserve.engine")
 
 
 @dataclass(slots=True)

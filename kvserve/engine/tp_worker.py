@@ -20,7 +20,6 @@ import torch.distributed as dist
 from kvserve.config import EngineConfig
 from kvserve.model.tensor_parallel import TensorShard
 
-logger = logging.getLogger("kvserve.engine")
 
 # Messages from rank 0: (kind, payload).
 STEP, READ_BLOCKS, WRITE_BLOCKS, STOP = "step", "read_blocks", "write_blocks", "stop"

@@ -46,12 +46,6 @@ class TensorShard:
     def vocab_rows_per_rank(self, vocab_size: int) -> int:
         return -(-vocab_size // self.size)
 
-    def rows(self, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
-        return tensor[start: start + count]
-
-    def columns(self, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
-        return tensor[:, start: start + count]
-
 
 WHOLE_MODEL = TensorShard()
 
