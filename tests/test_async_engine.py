@@ -221,3 +221,56 @@ def test_an_engine_that_cannot_recover_is_dead_and_says_so(engine, monkeypatch):
 
     asyncio.run(run())
     assert engine.state is EngineState.DEAD and not engine.is_alive
+
+
+def test_build_in_thread_builds_and_steps_on_one_thread(tiny_model_dir, monkeypatch):
+    """The server's engine is built by the thread that steps it: torch's CPU ops then run on one OpenMP team."""
+    import threading
+
+    from kvserve.engine.async_engine import AsyncLLMEngine
+
+    folder, _ = tiny_model_dir("llama")
+    threads = {}
+
+    def build():
+        threads["build"] = threading.current_thread()
+        engine = make_engine(folder).engine
+        step = engine.step
+
+        def recording_step():
+            threads.setdefault("step", threading.current_thread())
+            return step()
+
+        monkeypatch.setattr(engine, "step", recording_step)
+        return engine
+
+    async_engine = AsyncLLMEngine.build_in_thread(build)
+    assert not async_engine.is_alive  # built, not stepping until started
+    async_engine.start()
+
+    async def run():
+        return await collect(async_engine.submit("r", [5, 6, 7], params(4)))
+
+    assert len(asyncio.run(run())[-1].outputs[0].token_ids) == 4
+    asyncio.run(async_engine.shutdown())
+    assert threads["build"] is threads["step"] and threads["build"] is not threading.main_thread()
+    assert async_engine.state is EngineState.STOPPED
+
+
+def test_build_in_thread_raises_what_the_build_raised():
+    from kvserve.engine.async_engine import AsyncLLMEngine
+
+    def failing_build():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLMEngine.build_in_thread(failing_build)
+
+
+def test_an_engine_built_in_thread_but_never_started_shuts_down(tiny_model_dir):
+    from kvserve.engine.async_engine import AsyncLLMEngine
+
+    folder, _ = tiny_model_dir("llama")
+    async_engine = AsyncLLMEngine.build_in_thread(lambda: make_engine(folder).engine)
+    asyncio.run(async_engine.shutdown())
+    assert not async_engine._thread.is_alive() and async_engine.state is EngineState.STOPPED

@@ -184,7 +184,9 @@ def wait_healthy(process: subprocess.Popen, url: str) -> list[int]:
     assert wait_until(healthy, timeout_s=120, interval_s=0.2), "server did not come up"
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-    workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+    # Children of any of its threads: the engine thread, which builds the engine, starts the workers.
+    workers = [int(pid) for task in Path(f"/proc/{process.pid}/task").iterdir()
+               for pid in (task / "children").read_text().split()]
     assert workers, "the server should have started a worker process"
     return workers
 

@@ -104,10 +104,10 @@ def start_engine(config, max_waiting_requests: int | None):
     from kvserve.engine.startup import start_engine as start_llm_engine
 
     try:
-        engine = start_llm_engine(config)
+        # Built in the thread that steps it: every torch op on one thread (async_engine.py says why).
+        return AsyncLLMEngine.build_in_thread(lambda: start_llm_engine(config), max_waiting_requests)
     except EngineStartError as exc:
         raise StartupError(str(exc), EXIT_USAGE if exc.usage else EXIT_STARTUP_FAILED) from None
-    return AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
 
 
 def build_settings(args: argparse.Namespace, async_engine):
