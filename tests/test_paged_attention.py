@@ -3,20 +3,12 @@ torch path compute the same attention over a paged cache."""
 
 import pytest
 import torch
+from kernel_families import FAMILIES, kernels_for
 
 from kvserve.cache.kv_storage import LayerKVCache
-from kvserve.model.cpu_isa import runnable_isas
-from kvserve.model.cpu_kernels import cpu_kernels, prefill_kernel
+from kvserve.model.cpu_kernels import prefill_kernel
 from kvserve.model.paged_attention import DecodeGroup, _decode_portable
 
-FAMILIES = pytest.mark.parametrize("isa", runnable_isas(), ids=str)
-
-
-def kernels_for(isa):
-    kernels = cpu_kernels(isa)
-    if kernels is None:
-        pytest.skip(f"the CPU kernels for {isa} could not be built here")
-    return kernels
 
 
 class Spec:

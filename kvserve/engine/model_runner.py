@@ -10,6 +10,7 @@ kernels the model runs.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel, quantized_writer
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
+
+logger = logging.getLogger("kvserve.engine")
 
 
 @dataclass(slots=True)
@@ -104,6 +107,14 @@ def plan_step(scheduled: list[ScheduledRequest], kv_cache: KVCacheManager) -> St
     return StepPlan(inputs, sampling, prompt_spans)
 
 
+def describe_cpu_weights(model: LlamaForCausalLM, plain_bytes: int) -> str:
+    kept = model.layers[0].self_attn.qkv_proj.plain is not None
+    how = ("plain copies kept for batches of 1-2 rows (small_batch_linear)" if kept
+           else "no plain copies for small batches (over layers.SMALL_BATCH_COPY_LIMIT_BYTES, or no CPU kernels)")
+    return (f"CPU matmul weights packed for oneDNN, {how}: {model.weight_bytes() / 2**20:.1f} MiB of weights held "
+            f"({plain_bytes / 2**20:.1f} MiB as loaded)")
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache], block_size: int,
                  device: torch.device, max_gather_tokens: int | None = None) -> None:
@@ -115,7 +126,9 @@ class ModelRunner:
         self.sliding_window = model.config.sliding_window
         # bf16 on CPU: weights packed once for oneDNN, so no matmul reorders them again (same results, faster).
         if device.type == "cpu":
-            model.pack_weights_for_cpu()
+            plain_bytes = model.weight_bytes()
+            if model.pack_weights_for_cpu():
+                logger.info("%s", describe_cpu_weights(model, plain_bytes))
         kernels = cpu_kernels() if device.type == "cpu" else None
         # The CPU kernels for this model and cache format; None: the portable torch path.
         self.decode_kernel = decode_kernel(kernels, model.dtype, kv_caches[0])

@@ -10,10 +10,19 @@ compute dtype of CPUs without native bf16) is packed too: at 32 rows packed fp32
 on an AMD EPYC (the tied head, 49152 x 576: 13.9 against 44.6 ms), and only oneDNN's code can be capped to AVX2
 to measure an AVX2 CPU on a bigger one; fp32 results differ from F.linear's by rounding (another summation
 order).
+
+Batches of one or two rows (a single stream's decode) are a walk over the weights, which oneDNN's packed GEMV
+makes slower than it need be; where there is room, a packed weight keeps its plain row-major form beside it
+and `small_batch_linear` (csrc/small_batch_linear.cpp) walks that one instead: 1.4x faster matmuls for a single
+stream. The plain copy costs the weights' bytes again, so it is kept only while the matmul weights are at most
+SMALL_BATCH_COPY_LIMIT_BYTES (models up to ~1B parameters in bf16); a tied head's plain form is the embedding,
+kept anyway, so it costs nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -25,10 +34,37 @@ def empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+SMALL_BATCH_COPY_LIMIT_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PackedWeight:
+    """A CPU matmul weight packed for oneDNN, with its plain form for batches of up to `max_rows` rows when kept."""
+
+    packed: torch.Tensor  # oneDNN's blocked layout (an mkldnn tensor)
+    plain: torch.Tensor | None = None  # [out, in] row-major, read by small_batch_linear
+    small_batch_linear: Callable | None = None
+    max_rows: int = 0
+
+    def extra_bytes(self) -> int:
+        """Bytes held besides the model's parameters (a plain copy that is itself a parameter is not counted)."""
+        plain = 0 if self.plain is None or isinstance(self.plain, torch.nn.Parameter) else tensor_bytes(self.plain)
+        return tensor_bytes(self.packed) + plain
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+_NO_BIAS = torch.empty(0)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, for plain or packed weights."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if isinstance(weight, PackedWeight):
+        if weight.plain is not None and 0 < x.shape[0] <= weight.max_rows:
+            return weight.small_batch_linear(x, weight.plain, _NO_BIAS if bias is None else bias)
+        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -45,7 +81,7 @@ def weight_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
         generator = torch.Generator().manual_seed(0)
         weight = torch.randn(24, 40, generator=generator).to(dtype)
         x = torch.randn(3, 40, generator=generator).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        packed = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight))
         if dtype == torch.bfloat16:
             return torch.equal(linear(x, packed), F.linear(x, weight))
         return torch.allclose(linear(x, packed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
@@ -53,14 +89,20 @@ def weight_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
         return False
 
 
-def pack_weight(module: torch.nn.Module, name: str) -> None:
-    """Replaces the CPU matmul weight `module.<name>` by its packed form (once; the plain one is freed)."""
+def pack_weight(module: torch.nn.Module, name: str, kernels=None, plain: torch.Tensor | None = None) -> None:
+    """Replaces the CPU matmul weight `module.<name>` by its packed form (once). With `kernels` (the C++ module),
+    small batches read `plain` (default: the weight itself, then kept instead of freed) through
+    small_batch_linear; without, the plain weight is freed."""
     weight = getattr(module, name)
-    if weight.is_mkldnn:
+    if isinstance(weight, PackedWeight):
         return
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
     delattr(module, name)
-    setattr(module, name, packed)
+    if kernels is None:
+        setattr(module, name, PackedWeight(packed))
+        return
+    plain = weight.detach() if plain is None else plain
+    setattr(module, name, PackedWeight(packed, plain, kernels.small_batch_linear, kernels.small_batch_linear_max_rows()))
 
 
 class RMSNorm(torch.nn.Module):

@@ -11,7 +11,10 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention import Attention, AttentionMetadata
-from kvserve.model.layers import GatedMLP, RMSNorm, empty_parameter, linear, pack_weight, weight_packing_available
+from kvserve.model.layers import (
+    SMALL_BATCH_COPY_LIMIT_BYTES, GatedMLP, PackedWeight, RMSNorm, empty_parameter, linear, pack_weight,
+    tensor_bytes, weight_packing_available,
+)
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, all_reduce, embed, gather_logits
 
@@ -98,21 +101,30 @@ class LlamaForCausalLM(torch.nn.Module):
         """Packs every matmul weight for oneDNN (bf16 and fp32 on CPU; see layers.py). Returns whether it did.
 
         A tied head gets a packed copy of the embedding (vocab x hidden more bytes, counted by weight_bytes):
-        the embedding lookup needs the plain matrix.
+        the embedding lookup needs the plain matrix, which small batches then read for the head as well. The
+        other plain weights are kept for small batches too while they fit SMALL_BATCH_COPY_LIMIT_BYTES.
         """
         if self.embed_tokens.device.type != "cpu" or not weight_packing_available(self.dtype):
             return False
-        if self.lm_head is None:
+        tied = self.lm_head is None
+        if tied:
             self.lm_head = self.embed_tokens.detach()
+        kernels = self.fused_kernels
+        if kernels is not None and not hasattr(kernels, "small_batch_linear"):
+            kernels = None  # a module built before the kernel existed
+        matmul_bytes = sum(tensor_bytes(getattr(m, n)) for m, n in self._matmul_weights() if not (tied and n == "lm_head"))
+        keep_plain = kernels is not None and matmul_bytes <= SMALL_BATCH_COPY_LIMIT_BYTES
         for module, name in self._matmul_weights():
-            pack_weight(module, name)
+            if tied and name == "lm_head":
+                pack_weight(module, name, kernels, plain=self.embed_tokens)
+            else:
+                pack_weight(module, name, kernels if keep_plain else None)
         return True
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight tensor held, packed ones (no longer parameters) included."""
-        tensors = list(self.parameters())
-        tensors += [w for w in (getattr(m, n) for m, n in self._matmul_weights()) if w is not None and w.is_mkldnn]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of every weight tensor held, packed ones and plain copies (no longer parameters) included."""
+        packed = [w for w in (getattr(m, n) for m, n in self._matmul_weights()) if isinstance(w, PackedWeight)]
+        return sum(tensor_bytes(t) for t in self.parameters()) + sum(w.extra_bytes() for w in packed)
 
     def _matmul_weights(self):
         """(module, attribute) of each matmul weight; the head's is None while it reads the tied embedding."""

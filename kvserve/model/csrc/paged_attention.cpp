@@ -663,6 +663,11 @@ void paged_prefill_attention_bf16_quantized(torch::Tensor q, torch::Tensor k_dat
                                             torch::Tensor query_starts, torch::Tensor num_past, double scale,
                                             int64_t sliding_window, torch::Tensor out);
 
+// small_batch_linear.cpp
+torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor bias);
+bool small_batch_linear_has_bf16_dot();
+int64_t small_batch_linear_max_rows();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
         "prefill attention over a paged KV cache, all segments of a step in one call (CPU, bf16, AVX512-BF16)");
@@ -683,4 +688,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm of the residual (CPU)");
   m.def("rotary_qk_", &rotary_qk_, "rotary embedding in place on q and k of a fused qkv tensor (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("small_batch_linear", &small_batch_linear, "x @ weight.T (+ bias) for 1-2 rows over a plain weight (CPU)");
+  m.def("small_batch_linear_has_bf16_dot", &small_batch_linear_has_bf16_dot, "whether bf16 x bf16 uses AVX512-BF16");
+  m.def("small_batch_linear_max_rows", &small_batch_linear_max_rows, "the most rows small_batch_linear takes");
 }
