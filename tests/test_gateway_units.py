@@ -104,6 +104,28 @@ def test_health_reads_find_when_a_backend_lost_its_cache():
     assert read(7.0, 0, queries=3.0) == (7.0, "restart")  # counters started again: an empty cache
 
 
+def test_health_reads_the_load_metrics_summed_over_label_sets_and_nothing_else():
+    from kvserve.gateway.health import parse_load
+
+    text = "\n".join([
+        "# HELP vllm:num_requests_running Running requests.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
+        'vllm:num_requests_running{engine="1",model_name="odd } name"} 3.0 1700000000000',
+        "vllm:num_requests_waiting 4",
+        'vllm:num_requests_running_extra{engine="0"} 100.0',
+        'vllm:prefix_cache_queries_total{engine="0"} 50.0',
+        'vllm:prefix_cache_queries_created{engine="0"} 1.7e9',
+        'vllm:prefix_cache_hits_total{engine="0"} 20.0',
+        'kvserve:kv_cache_capacity_blocks{engine="0"} 844.0',
+        'vllm:e2e_request_latency_seconds_bucket{le="+Inf"} 7.0',
+        "",
+    ])
+    load = parse_load(text)
+    assert (load.num_running, load.num_waiting, load.prefix_cache_queries, load.prefix_cache_hits,
+            load.capacity_blocks, load.kv_cache_usage, load.evictions) == (5.0, 4.0, 50.0, 20.0, 844.0, 0.0, 0.0)
+
+
 def test_breaker_opens_after_failures_and_closes_after_a_good_trial():
     now = [0.0]
     breaker = CircuitBreaker(failure_threshold=3, open_s=30.0, clock=lambda: now[0])
