@@ -73,3 +73,14 @@ def test_small_batches_read_the_plain_weights_and_match_packed_ones(kind, dtype,
     tolerance = 1e-4 if dtype == "float32" else 3e-2  # two bf16 computations, each rounding every layer's output
     assert (ours - theirs).abs().max().item() <= tolerance * theirs.abs().max().item()
     assert ours.argmax().item() == theirs.argmax().item() or dtype == "bfloat16"
+
+
+def test_packing_twice_changes_nothing(tiny_model_dir):
+    if not weight_packing_available(torch.float32):
+        pytest.skip("this torch build cannot pack these weights for oneDNN")
+    folder, _ = tiny_model_dir("qwen2")
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.model.pack_weights_for_cpu()
+    packed_bytes, head = loaded.weights_bytes, loaded.model.lm_head
+    assert loaded.model.pack_weights_for_cpu()
+    assert loaded.weights_bytes == packed_bytes and loaded.model.lm_head is head

@@ -106,12 +106,12 @@ class LlamaForCausalLM(torch.nn.Module):
         """
         if self.embed_tokens.device.type != "cpu" or not weight_packing_available(self.dtype):
             return False
+        if isinstance(self.lm_head, PackedWeight):
+            return True  # packed already (the head is packed with the rest)
         tied = self.lm_head is None
         if tied:
             self.lm_head = self.embed_tokens.detach()
         kernels = self.fused_kernels
-        if kernels is not None and not hasattr(kernels, "small_batch_linear"):
-            kernels = None  # a module built before the kernel existed
         matmul_bytes = sum(tensor_bytes(getattr(m, n)) for m, n in self._matmul_weights() if not (tied and n == "lm_head"))
         keep_plain = kernels is not None and matmul_bytes <= SMALL_BATCH_COPY_LIMIT_BYTES
         for module, name in self._matmul_weights():
