@@ -1,11 +1,17 @@
-"""Single-stream decode with and without the plain-weight small-batch matmul, in one run (CPU).
+"""Single-stream decode over GGUF blocks, plain weights and oneDNN's packed weights, in one run (CPU).
 
     python benchmarks/small_batch_linear.py [--tokens 200]
 
-1. The demo model's matmuls at one and two rows, every weight once (what one decode step reads): oneDNN's
-   packed weights against `small_batch_linear` over the plain ones, best of 10 passes, ms and GB/s.
-2. The engine's single-stream decode (one request, `--tokens` tokens, greedy) with the plain copies (the
-   default) and without (every matmul through oneDNN's packed weights, as before), tokens/s.
+The demo model is a Q4_1 GGUF file (its head, the tied embedding, Q8_0). Batches of 1-2 rows read:
+- GGUF blocks (the default): `block_quant_linear` over the file's blocks, ~0.65 bytes a weight;
+- plain copies: `small_batch_linear` over row-major weights in the compute dtype (what a safetensors
+  checkpoint gets), 2 bytes a weight in bf16, 4 in fp32;
+- oneDNN only: its packed weights for every batch size.
+
+1. The model's matmuls at one and two rows, every weight once (what one decode step reads), best of 10 passes,
+   ms and GB/s of what each variant reads.
+2. The engine's single-stream decode (one request, `--tokens` tokens, greedy), tokens/s, the three variants
+   interleaved (best of 2 each).
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from workloads import shared_prefix_workload  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.cpu_isa import selected_isa  # noqa: E402
-from kvserve.model.layers import PackedWeight, linear  # noqa: E402
+from kvserve.model.cpu_kernels import cpu_kernels  # noqa: E402
+from kvserve.model.layers import BlockQuantWeight, PackedWeight, linear, tensor_bytes  # noqa: E402
+
+VARIANTS = ("GGUF blocks", "plain copies", "oneDNN only")
 
 
 def best_ms(fn, passes: int = 10) -> float:
@@ -36,19 +45,46 @@ def best_ms(fn, passes: int = 10) -> float:
     return best * 1e3
 
 
-def matmuls(llm: LLM) -> None:
+def weights_of(llm: LLM) -> list[PackedWeight]:
     model = llm.engine.runner.model
-    weights = [getattr(m, n) for m, n in model._matmul_weights()]
-    assert all(isinstance(w, PackedWeight) and w.plain is not None for w in weights), "no plain copies kept"
-    packed_only = [PackedWeight(w.packed) for w in weights]
-    total = sum(w.plain.numel() * w.plain.element_size() for w in weights)
-    print(f"matmul weights read per step: {total / 2**20:.1f} MiB ({model.dtype})")
+    return [getattr(m, n) for m, n in model._matmul_weights()]
+
+
+def as_variant(llm: LLM, variant: str) -> LLM:
+    """Turns a model whose small batches read GGUF blocks into one of the other variants (same values)."""
+    model = llm.engine.runner.model
+    kernels = cpu_kernels()
+    for module, name in model._matmul_weights():
+        weight = getattr(module, name)
+        assert isinstance(weight.plain, BlockQuantWeight), "the demo model's small batches should read its blocks"
+        if variant == "plain copies":
+            plain = weight.plain.dequantize(model.dtype)
+            weight = PackedWeight(weight.packed, plain, kernels.small_batch_linear, kernels.small_batch_linear_max_rows())
+        elif variant == "oneDNN only":
+            weight = PackedWeight(weight.packed)
+        setattr(module, name, weight)
+    return llm
+
+
+def read_bytes(weight: PackedWeight) -> int:
+    if isinstance(weight.plain, BlockQuantWeight):
+        return weight.plain.nbytes()
+    return tensor_bytes(weight.plain if weight.plain is not None else weight.packed)
+
+
+def matmuls(llms: dict[str, LLM]) -> None:
+    dtype = llms[VARIANTS[0]].engine.runner.model.dtype
+    weights = {variant: weights_of(llm) for variant, llm in llms.items()}
+    widths = [w.plain.shape[1] for w in weights[VARIANTS[0]]]
+    for variant in VARIANTS:
+        print(f"  {variant}: {sum(read_bytes(w) for w in weights[variant]) / 2**20:.1f} MiB read per step")
     for rows in (1, 2):
-        xs = {w.plain.shape[1]: torch.randn(rows, w.plain.shape[1]).to(model.dtype) for w in weights}
-        theirs = best_ms(lambda: [linear(xs[w.plain.shape[1]], p) for w, p in zip(weights, packed_only)])
-        ours = best_ms(lambda: [linear(xs[w.plain.shape[1]], w) for w in weights])
-        print(f"  {rows} row(s): oneDNN packed {theirs:6.2f} ms ({total / theirs / 1e6:5.1f} GB/s), small_batch_linear "
-              f"{ours:6.2f} ms ({total / ours / 1e6:5.1f} GB/s): {theirs / ours:.2f}x")
+        xs = {width: torch.randn(rows, width).to(dtype) for width in set(widths)}
+        times = {variant: best_ms(lambda ws=ws: [linear(xs[k], w) for k, w in zip(widths, ws)])
+                 for variant, ws in weights.items()}
+        shown = ", ".join(f"{variant} {ms:6.2f} ms" for variant, ms in times.items())
+        print(f"  {rows} row(s): {shown}; blocks vs plain {times['plain copies'] / times['GGUF blocks']:.2f}x, "
+              f"vs oneDNN {times['oneDNN only'] / times['GGUF blocks']:.2f}x")
 
 
 def single_stream(llm: LLM, prompt: list[int], tokens: int) -> float:
@@ -65,19 +101,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     args = parser.parse_args()
     print(f"CPU family {selected_isa().label}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    with_copies = LLM(None, kv_cache_memory=0.5, max_model_len=2048)
-    matmuls(with_copies)
-    without = LLM(None, kv_cache_memory=0.5, max_model_len=2048)
-    for module, name in without.engine.runner.model._matmul_weights():
-        setattr(module, name, PackedWeight(getattr(module, name).packed))  # oneDNN for every batch size
-    prompt = shared_prefix_workload(with_copies.get_tokenizer(), 1)[0].prompt_token_ids
-    runs = {"with plain copies": [], "oneDNN only": []}
-    for _ in range(2):  # interleaved, so a change in the machine's load hits both alike
-        runs["with plain copies"].append(single_stream(with_copies, prompt, args.tokens))
-        runs["oneDNN only"].append(single_stream(without, prompt, args.tokens))
-    ours, theirs = max(runs["with plain copies"]), max(runs["oneDNN only"])
-    print(f"single stream, {args.tokens} tokens (best of 2): with plain copies {ours:.1f} tok/s, oneDNN only "
-          f"{theirs:.1f} tok/s: {ours / theirs:.2f}x")
+    llms = {variant: as_variant(LLM(None, kv_cache_memory=0.5, max_model_len=2048), variant) for variant in VARIANTS}
+    print(f"matmuls of one decode step ({llms[VARIANTS[0]].engine.runner.model.dtype}):")
+    matmuls(llms)
+    prompt = shared_prefix_workload(llms[VARIANTS[0]].get_tokenizer(), 1)[0].prompt_token_ids
+    runs = {variant: [] for variant in VARIANTS}
+    for _ in range(2):  # interleaved, so a change in the machine's load hits every variant alike
+        for variant, llm in llms.items():
+            runs[variant].append(single_stream(llm, prompt, args.tokens))
+    best = {variant: max(r) for variant, r in runs.items()}
+    shown = ", ".join(f"{variant} {tps:.1f} tok/s" for variant, tps in best.items())
+    print(f"single stream, {args.tokens} tokens (best of 2): {shown}; blocks vs plain "
+          f"{best['GGUF blocks'] / best['plain copies']:.2f}x, vs oneDNN {best['GGUF blocks'] / best['oneDNN only']:.2f}x")
 
 
 if __name__ == "__main__":

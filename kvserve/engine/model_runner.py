@@ -21,6 +21,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel, quantized_writer
+from kvserve.model.layers import BlockQuantWeight
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
 
@@ -108,9 +109,13 @@ def plan_step(scheduled: list[ScheduledRequest], kv_cache: KVCacheManager) -> St
 
 
 def describe_cpu_weights(model: LlamaForCausalLM, plain_bytes: int) -> str:
-    kept = model.layers[0].self_attn.qkv_proj.plain is not None
-    how = ("plain copies kept for batches of 1-2 rows (small_batch_linear)" if kept
-           else "no plain copies for small batches (over layers.SMALL_BATCH_COPY_LIMIT_BYTES, or no CPU kernels)")
+    kept = model.layers[0].self_attn.qkv_proj.plain
+    if isinstance(kept, BlockQuantWeight):
+        how = f"the GGUF file's {kept.bits}-bit blocks kept for batches of 1-2 rows (block_quant_linear)"
+    elif kept is not None:
+        how = "plain copies kept for batches of 1-2 rows (small_batch_linear)"
+    else:
+        how = "no plain copies for small batches (over layers.SMALL_BATCH_COPY_LIMIT_BYTES, or no CPU kernels)"
     return (f"CPU matmul weights packed for oneDNN, {how}: {model.weight_bytes() / 2**20:.1f} MiB of weights held "
             f"({plain_bytes / 2**20:.1f} MiB as loaded)")
 

@@ -12,8 +12,8 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.model.attention import Attention, AttentionMetadata
 from kvserve.model.layers import (
-    SMALL_BATCH_COPY_LIMIT_BYTES, GatedMLP, PackedWeight, RMSNorm, empty_parameter, linear, pack_weight,
-    tensor_bytes, weight_packing_available,
+    SMALL_BATCH_COPY_LIMIT_BYTES, BlockQuantWeight, GatedMLP, PackedWeight, RMSNorm, empty_parameter, linear,
+    pack_weight, tensor_bytes, weight_packing_available,
 )
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, all_reduce, embed, gather_logits
@@ -89,6 +89,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         # The C++ module for fused CPU ops, or None (portable torch). Set after loading: see use_fused_kernels.
         self.fused_kernels = None
+        # Matmul weights as the checkpoint's GGUF blocks, by parameter name (weights.block_weights), set by the
+        # loader; pack_weights_for_cpu gives them to small batches instead of plain copies.
+        self.block_weights: dict[str, BlockQuantWeight] = {}
         # fp8 KV scales a checkpoint carries (`model.layers.N.self_attn.k_scale` / `v_scale`): layer -> (k, v).
         self.checkpoint_kv_scales: dict[int, tuple[float | None, float | None]] = {}
 
@@ -101,8 +104,9 @@ class LlamaForCausalLM(torch.nn.Module):
         """Packs every matmul weight for oneDNN (bf16 and fp32 on CPU; see layers.py). Returns whether it did.
 
         A tied head gets a packed copy of the embedding (vocab x hidden more bytes, counted by weight_bytes):
-        the embedding lookup needs the plain matrix, which small batches then read for the head as well. The
-        other plain weights are kept for small batches too while they fit SMALL_BATCH_COPY_LIMIT_BYTES.
+        the embedding lookup needs the plain matrix, which small batches then read for the head as well. Small
+        batches read a weight's GGUF blocks where the loader kept them (`block_weights`); the other plain
+        weights are kept for them while those fit SMALL_BATCH_COPY_LIMIT_BYTES.
         """
         if self.embed_tokens.device.type != "cpu" or not weight_packing_available(self.dtype):
             return False
@@ -112,19 +116,33 @@ class LlamaForCausalLM(torch.nn.Module):
         if tied:
             self.lm_head = self.embed_tokens.detach()
         kernels = self.fused_kernels
-        matmul_bytes = sum(tensor_bytes(getattr(m, n)) for m, n in self._matmul_weights() if not (tied and n == "lm_head"))
+        blocks = {(m, n): self.block_weights.get(name) for m, n, name in self._matmul_weight_names(tied)}
+        matmul_bytes = sum(tensor_bytes(getattr(m, n)) for m, n in self._matmul_weights()
+                           if blocks[m, n] is None and not (tied and n == "lm_head"))
         keep_plain = kernels is not None and matmul_bytes <= SMALL_BATCH_COPY_LIMIT_BYTES
         for module, name in self._matmul_weights():
-            if tied and name == "lm_head":
+            if kernels is not None and blocks[module, name] is not None:
+                pack_weight(module, name, kernels, plain=blocks[module, name])
+            elif tied and name == "lm_head":
                 pack_weight(module, name, kernels, plain=self.embed_tokens)
             else:
                 pack_weight(module, name, kernels if keep_plain else None)
+        self.block_weights = {}  # held by the packed weights now
         return True
 
     def weight_bytes(self) -> int:
         """Bytes of every weight tensor held, packed ones and plain copies (no longer parameters) included."""
         packed = [w for w in (getattr(m, n) for m, n in self._matmul_weights()) if isinstance(w, PackedWeight)]
         return sum(tensor_bytes(t) for t in self.parameters()) + sum(w.extra_bytes() for w in packed)
+
+    def _matmul_weight_names(self, tied: bool):
+        """(module, attribute, parameter name) of each matmul weight; a tied head's name is the embedding's."""
+        module_names = {id(module): name for name, module in self.named_modules()}
+        for module, name in self._matmul_weights():
+            if module is self:
+                yield module, name, "embed_tokens" if tied else name
+            else:
+                yield module, name, f"{module_names[id(module)]}.{name}"
 
     def _matmul_weights(self):
         """(module, attribute) of each matmul weight; the head's is None while it reads the tied embedding."""

@@ -21,10 +21,11 @@ from kvserve.model.demo import DEMO_MODEL_NAME, demo_model_path
 from kvserve.model.hf_checkpoint import (
     count_safetensors_tensors, iter_safetensors, read_generation_config, read_hf_config, safetensors_files,
 )
+from kvserve.model.layers import BlockQuantWeight
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, check_shardable
 from kvserve.model.tokenizer import Tokenizer, load_hf_tokenizer
-from kvserve.model.weights import load_weights
+from kvserve.model.weights import block_weights, load_weights
 
 logger = logging.getLogger("kvserve.model")
 
@@ -148,6 +149,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
         load_weights(net, source.tensors(torch_dtype), checkpoint=str(path), on_tensor=bar.update)
     net.eval()
     net.use_fused_kernels(device.type == "cpu")
+    if net.fused_kernels is not None and shard.size == 1:
+        net.block_weights = block_weights(net, source.blocks())  # for small batches (layers.BlockQuantWeight)
     if device.type == "cpu" and shard.rank == 0:
         logger.info("%s", cpu_dispatch_line(torch_dtype, net.fused_kernels is not None, kv_dtype))
     weights_bytes = net.weight_bytes()
@@ -199,6 +202,9 @@ class _HFSource:
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
         return iter_safetensors(self.files, dtype)
 
+    def blocks(self) -> Iterator[tuple[str, BlockQuantWeight]]:
+        return iter(())  # safetensors hold plain (or differently quantized) tensors
+
 
 class _GGUFSource:
     def __init__(self, path: Path) -> None:
@@ -229,3 +235,8 @@ class _GGUFSource:
 
         for name, tensor in iter_gguf_tensors(str(self.path), dtype):
             yield name, tensor, str(self.path)
+
+    def blocks(self) -> Iterator[tuple[str, BlockQuantWeight]]:
+        from kvserve.model.gguf_file import iter_gguf_blocks
+
+        return iter_gguf_blocks(str(self.path))

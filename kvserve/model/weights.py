@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelConfig, ModelLoadError
+from kvserve.model.layers import BlockQuantWeight
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
 from kvserve.model.tensor_parallel import TensorShard
 
@@ -102,6 +103,35 @@ def weight_destinations(model: LlamaForCausalLM) -> dict[str, Destination]:
         for suffix, dest in _layer_destinations(layer, config, shard).items():
             table[f"model.layers.{index}.{suffix}"] = dest
     return table
+
+
+def block_weights(model: LlamaForCausalLM, blocks: Iterable[tuple[str, BlockQuantWeight]]
+                  ) -> dict[str, BlockQuantWeight]:
+    """The model's matmul weights that can be assembled whole from checkpoint blocks (GGUF Q4_0/Q4_1/Q8_0),
+    by parameter name ("layers.0.self_attn.qkv_proj", "embed_tokens"): every checkpoint tensor that writes
+    into the parameter must come as blocks of the same value width, unsplit (one rank holds it all)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    destinations = weight_destinations(model)
+    parts_of: dict[str, list[str]] = {}
+    for checkpoint_name, dest in destinations.items():
+        # The embedding is a matmul weight only as a tied head; its lookups read the parameter.
+        if dest.parameter.dim() == 2 and not (dest.parameter is model.embed_tokens and model.lm_head is not None):
+            parts_of.setdefault(names[id(dest.parameter)], []).append(checkpoint_name)
+    found = dict(blocks)
+    assembled = {}
+    for name, parts in parts_of.items():
+        pieces = [found.get(part) for part in parts]
+        if any(piece is None or destinations[part].split_full is not None for part, piece in zip(parts, pieces)):
+            continue
+        if len({piece.bits for piece in pieces}) != 1:
+            continue  # 4-bit and 8-bit parts in one fused weight
+        order = sorted(range(len(parts)), key=lambda i: destinations[parts[i]].row_start)
+        weight = BlockQuantWeight(*(
+            torch.cat([getattr(pieces[i], field) for i in order]) for field in ("values", "scales", "mins")
+        ))
+        if weight.shape == tuple(destinations[parts[0]].parameter.shape):
+            assembled[name] = weight
+    return assembled
 
 
 def load_weights(

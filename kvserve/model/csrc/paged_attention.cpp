@@ -668,6 +668,11 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::T
 bool small_batch_linear_has_bf16_dot();
 int64_t small_batch_linear_max_rows();
 
+// block_quant_linear.cpp
+torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor values, torch::Tensor scales, torch::Tensor mins,
+                                 torch::Tensor bias);
+int64_t block_quant_linear_max_rows();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
         "prefill attention over a paged KV cache, all segments of a step in one call (CPU, bf16, AVX512-BF16)");
@@ -691,4 +696,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_linear", &small_batch_linear, "x @ weight.T (+ bias) for 1-2 rows over a plain weight (CPU)");
   m.def("small_batch_linear_has_bf16_dot", &small_batch_linear_has_bf16_dot, "whether bf16 x bf16 uses AVX512-BF16");
   m.def("small_batch_linear_max_rows", &small_batch_linear_max_rows, "the most rows small_batch_linear takes");
+  m.def("block_quant_linear", &block_quant_linear,
+        "x @ weight.T (+ bias) for 1-2 rows over a weight in 4- or 8-bit blocks of 32 (GGUF Q4_0/Q4_1/Q8_0) (CPU)");
+  m.def("block_quant_linear_max_rows", &block_quant_linear_max_rows, "the most rows block_quant_linear takes");
 }
