@@ -261,11 +261,11 @@ def test_checkpoint_kv_scales_are_used_for_fp8(tiny_model_dir, tmp_path):
 def test_fused_writer_stores_exactly_what_the_torch_encoders_store(isa, kv_dtype, dtype, head_dim):
     """The CPU kernel that quantizes new K/V is bit-identical to kv_quant's encoders: a cache written by either
     holds the same bytes, so prefix hits and the tiers never depend on which one wrote a block."""
-    from kvserve.model.cpu_kernels import quantized_writer
+    from kvserve.model.cpu_kernels import kv_writer
 
     generator = torch.Generator().manual_seed(3)
     fused, reference = (allocate_kv_storage(1, 8, 16, 3, head_dim, dtype, "cpu", kv_dtype)[0] for _ in range(2))
-    fused.encoder = quantized_writer(kernels_for(isa), fused)
+    fused.writer = kv_writer(kernels_for(isa), fused)
     qkv = (torch.randn(50, 9 * head_dim, generator=generator) * 3).to(dtype)
     qkv[3] = 0  # an all-zero row
     qkv[4, :head_dim] = 1e6  # beyond fp8's range: saturates
@@ -275,3 +275,23 @@ def test_fused_writer_stores_exactly_what_the_torch_encoders_store(isa, kv_dtype
     reference.write(slots, key, value)
     for got, expected in zip(fused.tensors(), reference.tensors()):
         assert torch.equal(got, expected)
+
+
+@FAMILIES
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
+def test_fused_writer_of_an_unquantized_cache_stores_what_index_copy_stores(isa, dtype, cache_dtype):
+    from kvserve.model.cpu_kernels import kv_writer
+
+    generator = torch.Generator().manual_seed(4)
+    fused, reference = (allocate_kv_storage(1, 8, 16, 3, 64, cache_dtype, "cpu")[0] for _ in range(2))
+    fused.writer = kv_writer(kernels_for(isa), fused)
+    qkv = torch.randn(50, 9 * 64, generator=generator).to(dtype)
+    key, value = qkv[:, : 3 * 64].view(50, 3, 64), qkv[:, 3 * 64: 6 * 64].view(50, 3, 64)  # strided, as in the model
+    slots = torch.randperm(128, generator=generator)[:50]
+    fused.write(slots, key, value)
+    reference.write(slots, key, value)
+    for got, expected in zip(fused.tensors(), reference.tensors()):
+        assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused.write(torch.tensor([128]), key[:1], value[:1])

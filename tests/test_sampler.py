@@ -161,3 +161,24 @@ def test_logit_bias_is_added_before_everything_else():
     out = sample(logits, requests)
     assert [s.token_id for s in out] == [42, 9]
     assert out[0].logprobs.top[0][0] == 3  # logprobs stay those of the raw logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_kernel_picks_what_torch_max_picks(dtype):
+    """The CPU kernel behind greedy decoding gives torch.max's indices: the first of tied maxima, a NaN first."""
+    from kvserve.model.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 1000, generator=generator).to(dtype)
+    logits[1, [10, 700]] = 50.0  # a tie: the first wins
+    logits[2, 300] = float("nan")
+    logits[2, 0] = 100.0
+    logits[3] = float("-inf")
+    logits[4, 0] = float("nan")
+    logits[5, [5, 9]] = float("nan")
+    expected = logits.max(dim=-1).indices
+    assert torch.equal(kernels.first_argmax(logits), expected)
+    assert expected.tolist()[1:] == [10, 300, 0, 0, 5]

@@ -28,9 +28,9 @@ class LayerKVCache:
     value_tensor_scale: torch.Tensor | None = None
     rotation: torch.Tensor | None = None  # [head_dim, head_dim] fp32 when the codec rotates (int4)
     calibrating: bool = False  # fp8 under --calculate-kv-scales: the first write sets the tensor scales
-    # A fused encoder for this device (the CPU kernels' write_quantized_kv), given by the model runner:
-    # fn(cache, slot_mapping, key, value), bit-identical to the codec's torch encoders; None: those run.
-    encoder: Callable | None = None
+    # A fused writer for this device (the CPU kernels' write_kv / write_quantized_kv), given by the model runner:
+    # fn(cache, slot_mapping, key, value), bit-identical to the torch ops below; None: those run.
+    writer: Callable | None = None
 
     @property
     def flat_key(self) -> torch.Tensor:
@@ -51,14 +51,14 @@ class LayerKVCache:
 
     def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """key, value [tokens, kv_heads, head_dim] in the model dtype (already rotated when the codec rotates)."""
+        if self.calibrating:
+            self._calibrate(key, value)
+        if self.writer is not None:
+            self.writer(self, slot_mapping, key, value)
+            return
         if self.codec is None:
             self.flat_key.index_copy_(0, slot_mapping, key.to(self.key.dtype))
             self.flat_value.index_copy_(0, slot_mapping, value.to(self.value.dtype))
-            return
-        if self.calibrating:
-            self._calibrate(key, value)
-        if self.encoder is not None:
-            self.encoder(self, slot_mapping, key, value)
             return
         for data, scales, tensor_scale, x in ((self.key, self.key_scales, self.key_tensor_scale, key),
                                                (self.value, self.value_scales, self.value_tensor_scale, value)):

@@ -20,7 +20,7 @@ from kvserve.cache.kv_storage import LayerKVCache
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel, quantized_writer
+from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel, kv_writer
 from kvserve.model.layers import BlockQuantWeight
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
@@ -138,8 +138,8 @@ class ModelRunner:
         # The CPU kernels for this model and cache format; None: the portable torch path.
         self.decode_kernel = decode_kernel(kernels, model.dtype, kv_caches[0])
         self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim, kv_caches[0])
-        for layer_cache in kv_caches:  # quantizing new K/V: one call per layer instead of ~25 torch ops
-            layer_cache.encoder = quantized_writer(kernels, layer_cache)
+        for layer_cache in kv_caches:  # new K/V: one call per layer (quantizing: instead of ~25 torch ops)
+            layer_cache.writer = kv_writer(kernels, layer_cache)
 
     @staticmethod
     def logits_of(plan: StepPlan, logits: torch.Tensor) -> StepLogits:

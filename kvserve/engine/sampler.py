@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -187,8 +188,19 @@ def _draw(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 
 
 def _most_likely(logits: torch.Tensor) -> torch.Tensor:
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        kernels = _cpu_kernels()
+        if kernels is not None:  # the same indices, ~20x faster than torch's reduction over a vocabulary row
+            return kernels.first_argmax(logits)
     # max's indices, not argmax: the same first maximum, but argmax has no fast CPU path for bf16 (6x slower).
     return logits.max(dim=-1).indices
+
+
+@cache
+def _cpu_kernels():
+    from kvserve.model.cpu_kernels import cpu_kernels
+
+    return cpu_kernels()
 
 
 def _draw_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

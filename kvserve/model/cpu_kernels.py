@@ -24,7 +24,7 @@ logger = logging.getLogger("kvserve.model")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_fp32.cpp",
-                                    "kv_quantize.cpp", "small_batch_linear.cpp", "block_quant_linear.cpp")]
+                                    "kv_quantize.cpp", "small_batch_linear.cpp", "block_quant_linear.cpp", "argmax.cpp")]
 
 
 def cpu_kernels(isa: CpuIsa | None = None):
@@ -73,16 +73,19 @@ def decode_kernel(kernels, dtype: torch.dtype, cache: LayerKVCache):
     return _unquantized(kernels.paged_decode_attention)
 
 
-def quantized_writer(kernels, cache: LayerKVCache):
-    """`fn(cache, slot_mapping, key, value)` writing new K/V into a quantized cache in one call (bit-identical to
-    kv_quant's torch encoders), or None: the torch encoders run."""
-    if kernels is None or not cache.quantized or cache.key.device.type != "cpu":
+def kv_writer(kernels, cache: LayerKVCache):
+    """`fn(cache, slot_mapping, key, value)` writing new K/V into the cache in one call (for a quantized cache
+    bit-identical to kv_quant's torch encoders), or None: torch's ops write them."""
+    if kernels is None or cache.key.device.type != "cpu":
         return None
 
-    def write(target: LayerKVCache, slot_mapping, key, value) -> None:
+    def write_quantized(target: LayerKVCache, slot_mapping, key, value) -> None:
         kernels.write_quantized_kv(key, value, slot_mapping, target.key, target.value, *_scale_args(target))
 
-    return write
+    def write(target: LayerKVCache, slot_mapping, key, value) -> None:
+        kernels.write_kv(key, value, slot_mapping, target.key, target.value)
+
+    return write_quantized if cache.quantized else write
 
 
 def _scale_args(cache: LayerKVCache) -> tuple:

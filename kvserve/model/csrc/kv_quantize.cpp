@@ -1,4 +1,4 @@
-// Writing new K/V into a quantized cache in one call per layer (CPU): each (token, KV head) row is quantized
+// Writing new K/V into the cache in one call per layer (CPU); for a quantized cache each (token, KV head) row is quantized
 // and stored at its slot, with its scales. Bit-identical to kvserve/cache/kv_quant.py's encoders (the same fp32
 // operations in the same order, round half to even, fp16 and fp8 conversions by c10's), which replace the
 // chain of ~25 torch ops per layer and step that the portable path runs. Both multiply by the scale's
@@ -139,4 +139,50 @@ void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor sl
       }
     });
   });
+}
+
+// The same for an unquantized cache (k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in the
+// model's dtype or, under an fp32 model, bf16/fp16): each row copied, or rounded to the cache's dtype as
+// Tensor.to rounds it. One call per layer instead of two index_copy_ and their views (~15 us a layer of a
+// single stream's decode step).
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_cache,
+              torch::Tensor v_cache) {
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.dim() == 3 && value.stride(2) == 1,
+              "key, value: [tokens, kv_heads, head_dim] with dense rows");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches: contiguous, one dtype");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value: one dtype");
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  TORCH_CHECK(k_cache.size(2) == heads && k_cache.size(3) == dim, "caches: [blocks, block_size, ", heads, ", ", dim, "]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  auto copy = [&](auto* source_tag, auto* cache_tag) {
+    using source_t = std::remove_pointer_t<decltype(source_tag)>;
+    using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
+    const torch::Tensor* sources[2] = {&key, &value};
+    cache_t* caches[2] = {k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>()};
+    for (int which = 0; which < 2; ++which) {
+      const torch::Tensor& source = *sources[which];
+      const source_t* base = source.data_ptr<source_t>();
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const source_t* x = base + t * source.stride(0) + h * source.stride(1);
+          cache_t* row = caches[which] + (slots[t] * heads + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<cache_t>(x[d]);
+        }
+    }
+  };
+  const auto cache_type = k_cache.scalar_type();
+  if (key.scalar_type() == cache_type) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "write_kv", [&] {
+      copy(static_cast<scalar_t*>(nullptr), static_cast<scalar_t*>(nullptr));
+    });
+  } else {
+    TORCH_CHECK(key.scalar_type() == torch::kFloat && (cache_type == torch::kBFloat16 || cache_type == torch::kHalf),
+                "key/value in the cache's dtype, or fp32 into a bf16/fp16 cache");
+    if (cache_type == torch::kBFloat16) copy(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+    else copy(static_cast<float*>(nullptr), static_cast<at::Half*>(nullptr));
+  }
 }

@@ -642,6 +642,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_data,
                         torch::Tensor v_data, torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
                         double v_tensor_scale, int64_t format);
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_cache,
+              torch::Tensor v_cache);
 
 // prefill_attention.cpp, prefill_attention_fp32.cpp
 void paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -668,6 +670,9 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::T
 bool small_batch_linear_has_bf16_dot();
 int64_t small_batch_linear_max_rows();
 
+// argmax.cpp
+torch::Tensor first_argmax(torch::Tensor logits);
+
 // block_quant_linear.cpp
 torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor values, torch::Tensor scales, torch::Tensor mins,
                                  torch::Tensor bias);
@@ -688,6 +693,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp32 prefill attention over a paged fp8/int8/int4 KV cache (CPU, AVX2 or AVX-512)");
   m.def("paged_prefill_attention_bf16_quantized", &paged_prefill_attention_bf16_quantized,
         "bf16 prefill attention over a paged fp8/int8/int4 KV cache (CPU, AVX512-BF16)");
+  m.def("write_kv", &write_kv, "copy new K/V rows into their slots of an unquantized cache (CPU)");
   m.def("write_quantized_kv", &write_quantized_kv, "quantize new K/V rows into their slots of an fp8/int8/int4 cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm of the residual (CPU)");
@@ -696,6 +702,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_linear", &small_batch_linear, "x @ weight.T (+ bias) for 1-2 rows over a plain weight (CPU)");
   m.def("small_batch_linear_has_bf16_dot", &small_batch_linear_has_bf16_dot, "whether bf16 x bf16 uses AVX512-BF16");
   m.def("small_batch_linear_max_rows", &small_batch_linear_max_rows, "the most rows small_batch_linear takes");
+  m.def("first_argmax", &first_argmax, "each row's first maximum, as torch.max(dim=-1).indices (CPU)");
   m.def("block_quant_linear", &block_quant_linear,
         "x @ weight.T (+ bias) for 1-2 rows over a weight in 4- or 8-bit blocks of 32 (GGUF Q4_0/Q4_1/Q8_0) (CPU)");
   m.def("block_quant_linear_max_rows", &block_quant_linear_max_rows, "the most rows block_quant_linear takes");
