@@ -124,6 +124,29 @@ def test_a_client_leaving_mid_stream_closes_the_upstream_connection(tmp_path):
         stub.stop()
 
 
+def test_the_completion_routes_fast_path_answers_like_fastapi(tmp_path, monkeypatch):
+    import kvserve.gateway.app
+
+    (stub,) = started("ok")
+    gateway = start_gateway(gateway_settings([stub.url], state_path=str(tmp_path / "gw.sqlite3")))
+    try:
+        assert post(gateway).json() == COMPLETION
+        wrong_method = httpx.get(f"{gateway.base_url}/completions", timeout=10)
+        assert "not allowed" in assert_envelope(wrong_method, 405)["message"]
+        assert assert_envelope(httpx.post(f"{gateway.base_url}/completions/x", timeout=10), 404)
+        not_json = httpx.post(f"{gateway.base_url}/chat/completions", content=b"{", timeout=10)
+        assert assert_envelope(not_json, 400)["message"] == "the request body is not valid JSON"
+
+        async def broken(*args, **kwargs):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(kvserve.gateway.app, "forward_completion", broken)
+        assert assert_envelope(post(gateway), 500)["message"] == "internal server error: RuntimeError"
+    finally:
+        gateway.stop()
+        stub.stop()
+
+
 def _round_robin():
     from kvserve.gateway.routing import RoutingConfig
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from fastapi import FastAPI, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from kvserve.gateway.backends import Backend
 from kvserve.gateway.breaker import CircuitBreaker
@@ -21,7 +23,7 @@ from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.routing import Router
 from kvserve.gateway.settings import GatewaySettings
 from kvserve.gateway.store import Store, StoreUnavailable, drain_background, open_store
-from kvserve.server.errors import SERVER_ERROR, APIError, install_error_handlers
+from kvserve.server.errors import SERVER_ERROR, APIError, install_error_handlers, unexpected_error_response
 from kvserve.server.responses import json_response
 
 logger = logging.getLogger("kvserve.gateway")
@@ -47,6 +49,43 @@ def make_http_client(settings: GatewaySettings) -> aiohttp.ClientSession:
     # No pool cap: the backends' own queues are the limit, and a capped pool would queue requests unseen.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
     return aiohttp.ClientSession(connector=connector, timeout=timeout)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, except that POSTs to the completion routes are answered before its stack: between uvicorn and an
+    endpoint FastAPI runs its middleware layers (errors, telemetry, body limit, exceptions, exit stack), matches
+    the path against every route and solves the endpoint's dependencies, work a proxy would pay on every request
+    for nothing (no body limit, no telemetry, an endpoint that takes only the Request). Those routes raise the
+    same errors as the rest and get the same answers; every other request, lifespan included, goes to FastAPI."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.completion_routes: dict[str, Handler] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self.completion_routes.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        try:
+            response = await handler(Request(scope, receive))
+        except APIError as exc:
+            response = exc.response()
+        except StoreUnavailable as exc:
+            response = _store_unavailable(exc)
+        except Exception as exc:
+            response = unexpected_error_response(scope["method"], scope["path"], exc)
+        await response(scope, receive, send)
+
+
+def _store_unavailable(exc: StoreUnavailable) -> Response:
+    logger.warning("store unavailable: %s", exc)
+    return APIError(503, f"the gateway's state store is unavailable: {exc}", type=SERVER_ERROR,
+                    code="store_unavailable", headers={"Retry-After": "1"}).response()
 
 
 def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
@@ -80,14 +119,12 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
             await drain_background()
             await gateway_store.close()
 
-    app = FastAPI(title="kvserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = GatewayApp(title="kvserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
 
     @app.exception_handler(StoreUnavailable)
-    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> Response:
-        logger.warning("store unavailable: %s", exc)
-        return APIError(503, f"the gateway's state store is unavailable: {exc}", type=SERVER_ERROR,
-                        code="store_unavailable", headers={"Retry-After": "1"}).response()
+    async def _store_unavailable_handler(request: Request, exc: StoreUnavailable) -> Response:
+        return _store_unavailable(exc)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -96,6 +133,9 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await forward_completion(holder["gateway"], request, "/v1/completions", chat=False)
+
+    # Declared on FastAPI too (its route list, a 405 for another method), but answered by GatewayApp's fast path.
+    app.completion_routes = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
