@@ -237,6 +237,6 @@ def test_a_completion_with_a_known_key_reads_its_state_in_one_round_trip(gateway
     calls = redis_command_calls(redis)
     for own in ("info", "config|resetstat"):  # the test's own commands
         calls.pop(own, None)
-    # Every command inside one MULTI/EXEC a request: the key's record (a revocation shows at once), the request
-    # counted in its window with the window's expiry, and the session's backend.
-    assert calls == {"multi": 3, "exec": 3, "hget": 3, "incrby": 3, "expire": 3, "get": 3}
+    # One script call a request, and in it: the key's record (a revocation shows at once), the request counted in
+    # its window with the window's expiry, and the session's backend.
+    assert calls == {"evalsha": 3, "hget": 3, "incrby": 3, "expire": 3, "get": 3}

@@ -1,10 +1,12 @@
 """The gateway's pure parts: the ring and its bound, prompt-block hashes, the breaker, SSE event splitting and
-reading, key hashing and the rate-limit windows over the SQLite store."""
+reading, key hashing and the rate-limit windows over the SQLite store, and a request's state read alike from
+either store."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -332,3 +334,44 @@ def test_a_held_session_stays_on_a_full_pool_and_leaves_a_queue(tmp_path):
 
     asyncio.run(scenario())
     asyncio.run(sqlite.close())
+
+
+def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
+    from gateway_harness import REDIS_CLI, REDIS_SERVER, start_redis
+
+    from kvserve.gateway.request_state import StateQuery
+    from kvserve.gateway.store import RedisStore
+
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+    redis = start_redis(tmp_path / "redis")
+
+    async def scenario(store) -> list:
+        await store.key_put("k1", {"key_id": "k1", "created_at": 1})
+        await store.counter_add("k1:tokens:7", 40, 65)
+        await store.set_session("s1", "http://a", None)
+        await store.conversation_append("u/c1", [{"role": "user", "content": "hi"}])
+        await store.prefix_record(["h1", "h2"], "http://a")
+        await store.prefix_record(["h3"], "http://b")
+        await store.prefix_expire("http://b", time.time() + 60)  # b's entries are gone from its cache
+        full = StateQuery(key_id="k1", requests_counter="k1:requests:7", tokens_counter="k1:tokens:7",
+                          counter_ttl_s=65, session_id="s1", conversation_id="u/c1",
+                          prefix_hashes=["h1", "h2", "h3", "h4"])
+        states = [await store.read_request_state(full), await store.read_request_state(full),
+                  await store.read_request_state(StateQuery(key_id="nobody", session_id="s2", prefix_hashes=["h9"])),
+                  await store.read_request_state(StateQuery())]
+        await store.close()
+        return [(s.key_record, s.requests_used, s.tokens_used, s.session_backend, s.conversation,
+                 [e and e[0] for e in s.prefix_entries]) for s in states]
+
+    try:
+        from_redis = asyncio.run(scenario(RedisStore(redis.url, StoreLimits())))
+        from_sqlite = asyncio.run(scenario(SQLiteStore(str(tmp_path / "state.sqlite3"), StoreLimits())))
+    finally:
+        redis.stop()
+    assert from_redis == from_sqlite
+    record = {"key_id": "k1", "created_at": 1}
+    conversation = [{"role": "user", "content": "hi"}]
+    assert from_redis == [(record, 1, 40, "http://a", conversation, ["http://a", "http://a", None, None]),
+                          (record, 2, 40, "http://a", conversation, ["http://a", "http://a", None, None]),
+                          (None, 0, 0, None, [], [None]), (None, 0, 0, None, [], [])]

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from kvserve.gateway.backends import Backend
 from kvserve.gateway.breaker import CircuitBreaker
@@ -21,7 +23,7 @@ from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.routing import Router
 from kvserve.gateway.settings import GatewaySettings
 from kvserve.gateway.store import Store, StoreUnavailable, drain_background, open_store
-from kvserve.server.errors import SERVER_ERROR, APIError, install_error_handlers
+from kvserve.server.errors import SERVER_ERROR, APIError, install_error_handlers, unexpected_error_response
 from kvserve.server.responses import json_response
 
 logger = logging.getLogger("kvserve.gateway")
@@ -34,19 +36,56 @@ def make_backends(settings: GatewaySettings) -> list[Backend]:
 
 # Idle connections are dropped before uvicorn's own 5 s keep-alive (kvserve's and vLLM's servers) closes them: at
 # equal timeouts a request (or a health check every 5 s) could be sent on a connection the backend was closing,
-# fail with a ReadError and count against a healthy backend (we saw a stub backend marked down that way).
+# fail with the connection dropped and count against a healthy backend (we saw a stub backend marked down that way).
 KEEPALIVE_EXPIRY_S = 4.0
 
 
-def make_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
-    timeout = httpx.Timeout(settings.upstream_timeout_s, connect=settings.connect_timeout_s)
+def make_http_client(settings: GatewaySettings) -> aiohttp.ClientSession:
+    """The gateway's one client to its backends (aiohttp: its C HTTP parser costs the gateway's event loop much
+    less per request than httpx). Its timeouts are a completion's: connecting, then between bytes of the answer;
+    a health check passes its own. Called inside the server's event loop."""
+    timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s,
+                                    sock_read=settings.upstream_timeout_s)
     # No pool cap: the backends' own queues are the limit, and a capped pool would queue requests unseen.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
-def make_health_client(settings: GatewaySettings) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=settings.health_timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, except that POSTs to the completion routes are answered before its stack: between uvicorn and an
+    endpoint FastAPI runs its middleware layers (errors, telemetry, body limit, exceptions, exit stack), matches
+    the path against every route and solves the endpoint's dependencies, work a proxy would pay on every request
+    for nothing (no body limit, no telemetry, an endpoint that takes only the Request). Those routes raise the
+    same errors as the rest and get the same answers; every other request, lifespan included, goes to FastAPI."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.completion_routes: dict[str, Handler] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self.completion_routes.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        try:
+            response = await handler(Request(scope, receive))
+        except APIError as exc:
+            response = exc.response()
+        except StoreUnavailable as exc:
+            response = _store_unavailable(exc)
+        except Exception as exc:
+            response = unexpected_error_response(scope["method"], scope["path"], exc)
+        await response(scope, receive, send)
+
+
+def _store_unavailable(exc: StoreUnavailable) -> Response:
+    logger.warning("store unavailable: %s", exc)
+    return APIError(503, f"the gateway's state store is unavailable: {exc}", type=SERVER_ERROR,
+                    code="store_unavailable", headers={"Retry-After": "1"}).response()
 
 
 def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
@@ -67,28 +106,25 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
             metrics.prefix_expiries.labels(backend.url, reason).inc()
             router.expire_prefixes(backend.url, horizon)
 
-        checks = make_health_client(settings)
-        await check_all(checks, backends, settings.backend_headers())
-        task = asyncio.create_task(health_loop(checks, backends, settings.backend_headers(),
+        health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
+        await check_all(http, backends, settings.backend_headers(), health_timeout)
+        task = asyncio.create_task(health_loop(http, backends, settings.backend_headers(), health_timeout,
                                                settings.health_interval_s, on_cache_lost))
         try:
             yield
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await checks.aclose()
-            await http.aclose()
+            await http.close()
             await drain_background()
             await gateway_store.close()
 
-    app = FastAPI(title="kvserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = GatewayApp(title="kvserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
 
     @app.exception_handler(StoreUnavailable)
-    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> Response:
-        logger.warning("store unavailable: %s", exc)
-        return APIError(503, f"the gateway's state store is unavailable: {exc}", type=SERVER_ERROR,
-                        code="store_unavailable", headers={"Retry-After": "1"}).response()
+    async def _store_unavailable_handler(request: Request, exc: StoreUnavailable) -> Response:
+        return _store_unavailable(exc)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -97,6 +133,9 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await forward_completion(holder["gateway"], request, "/v1/completions", chat=False)
+
+    # Declared on FastAPI too (its route list, a 405 for another method), but answered by GatewayApp's fast path.
+    app.completion_routes = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -135,9 +174,10 @@ async def _first_answer(gateway: Gateway, path: str) -> Response:
         if not backend.available():
             continue
         try:
-            response = await gateway.http.get(backend.url + path, headers=gateway.settings.backend_headers())
-        except httpx.HTTPError:
+            async with gateway.http.get(backend.url + path, headers=gateway.settings.backend_headers()) as response:
+                content = await response.read()
+        except aiohttp.ClientError:
             continue
-        return Response(response.content, status_code=response.status_code,
+        return Response(content, status_code=response.status,
                         media_type=response.headers.get("content-type", "application/json"))
     raise APIError(503, "no backend is available", type=SERVER_ERROR, code="no_backend_available")

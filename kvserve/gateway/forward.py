@@ -10,7 +10,7 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
@@ -49,7 +49,7 @@ class Gateway:
     backends: list[Backend]
     router: Router
     metrics: GatewayMetrics
-    http: httpx.AsyncClient
+    http: aiohttp.ClientSession  # every request to a backend: completions, the models list, health checks
     verified_keys: VerifiedKeys = field(default_factory=VerifiedKeys)
 
 
@@ -165,7 +165,7 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
     content = raw if turn is None and not drop_usage else json.dumps(body, ensure_ascii=False).encode()
     exchange = Exchange(path, body, key, limit, turn, session_id, block_hashes)
     upstream = await _open(gateway, exchange, content, state)
-    if stream and upstream.response.status_code == 200:
+    if stream and upstream.response.status == 200:
         return _stream_response(gateway, exchange, upstream, StreamTap(drop_usage_event=drop_usage))
     return await _whole_response(gateway, exchange, upstream)
 
@@ -198,18 +198,22 @@ async def _open(gateway: Gateway, exchange: Exchange, content: bytes, known: Req
         gateway.metrics.requests.labels("none", UNAVAILABLE).inc()
         raise APIError(503, f"no backend could take the request: {exc}", type=SERVER_ERROR,
                        code="no_backend_available", headers={"Retry-After": "1"}) from None
+    except aiohttp.ClientError as exc:  # after the backend may have started on it (a read timeout): not resent
+        gateway.metrics.requests.labels("none", BACKEND_ERROR).inc()
+        raise APIError(502, f"a backend failed before answering: {type(exc).__name__}", type=SERVER_ERROR,
+                       code="backend_error") from None
 
 
 async def _whole_response(gateway: Gateway, exchange: Exchange, upstream: Upstream) -> Response:
     try:
-        content = await upstream.response.aread()
-    except httpx.HTTPError as exc:
+        content = await upstream.response.read()
+    except aiohttp.ClientError as exc:
         gateway.metrics.requests.labels(upstream.backend.url, BACKEND_ERROR).inc()
         raise APIError(502, f"backend {upstream.backend.url} failed while answering: {type(exc).__name__}",
                        type=SERVER_ERROR, code="backend_error") from None
     finally:
         await upstream.close()
-    status = upstream.response.status_code
+    status = upstream.response.status
     count_tokens = None
     if status == 200:
         completion = _json_or_none(content)
@@ -229,10 +233,10 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            async for event in sse_events(upstream.response.aiter_raw()):
+            async for event in sse_events(upstream.response.content.iter_any()):  # each chunk as it arrives
                 if tap.read(event):
                     yield event
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             # Too late to retry: tokens reached the client. Say so in the stream, as the engine itself would.
             outcome[0] = BACKEND_ERROR
             error = APIError(502, f"backend {upstream.backend.url} failed mid-stream: {type(exc).__name__}",

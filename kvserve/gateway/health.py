@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
-import httpx
+import aiohttp
 
 from kvserve.gateway.backends import Backend, BackendLoad
 
@@ -79,24 +79,30 @@ def eviction_horizon(marks, evictions: float, capacity_blocks: float) -> float |
     return None
 
 
-async def check_backend(http: httpx.AsyncClient, backend: Backend, headers: dict[str, str],
-                        on_cache_lost: CacheLost | None = None) -> None:
+async def check_backend(http: aiohttp.ClientSession, backend: Backend, headers: dict[str, str],
+                        timeout: aiohttp.ClientTimeout, on_cache_lost: CacheLost | None = None) -> None:
     try:
-        health = await http.get(f"{backend.url}/health", headers=headers)
-        metrics = await http.get(f"{backend.url}/metrics", headers=headers)
-    except httpx.HTTPError as exc:
+        health_status, _ = await _get(http, f"{backend.url}/health", headers, timeout)
+        metrics_status, metrics_text = await _get(http, f"{backend.url}/metrics", headers, timeout)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # a total timeout is a bare asyncio.TimeoutError
         _set_health(backend, False, f"{type(exc).__name__}")
         return
-    if health.status_code != 200:
-        _set_health(backend, False, f"/health answered {health.status_code}")
+    if health_status != 200:
+        _set_health(backend, False, f"/health answered {health_status}")
         return
-    if metrics.status_code == 200:
-        load, now = parse_load(metrics.text), time.time()
+    if metrics_status == 200:
+        load, now = parse_load(metrics_text), time.time()
         lost = cache_lost(backend, load, now)
         if lost is not None and on_cache_lost is not None:
             on_cache_lost(backend, *lost)
         backend.load = load
     _set_health(backend, True, "")
+
+
+async def _get(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
+               timeout: aiohttp.ClientTimeout) -> tuple[int, str]:
+    async with http.get(url, headers=headers, timeout=timeout) as response:
+        return response.status, await response.text(errors="replace")
 
 
 def _set_health(backend: Backend, healthy: bool, why: str) -> None:
@@ -105,13 +111,14 @@ def _set_health(backend: Backend, healthy: bool, why: str) -> None:
     backend.healthy = healthy
 
 
-async def check_all(http: httpx.AsyncClient, backends: list[Backend], headers: dict[str, str],
-                    on_cache_lost: CacheLost | None = None) -> None:
-    await asyncio.gather(*(check_backend(http, backend, headers, on_cache_lost) for backend in backends))
+async def check_all(http: aiohttp.ClientSession, backends: list[Backend], headers: dict[str, str],
+                    timeout: aiohttp.ClientTimeout, on_cache_lost: CacheLost | None = None) -> None:
+    await asyncio.gather(*(check_backend(http, backend, headers, timeout, on_cache_lost) for backend in backends))
 
 
-async def health_loop(http: httpx.AsyncClient, backends: list[Backend], headers: dict[str, str],
-                      interval_s: float, on_cache_lost: CacheLost | None = None) -> None:
+async def health_loop(http: aiohttp.ClientSession, backends: list[Backend], headers: dict[str, str],
+                      timeout: aiohttp.ClientTimeout, interval_s: float,
+                      on_cache_lost: CacheLost | None = None) -> None:
     while True:
-        await check_all(http, backends, headers, on_cache_lost)
+        await check_all(http, backends, headers, timeout, on_cache_lost)
         await asyncio.sleep(interval_s)

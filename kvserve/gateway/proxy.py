@@ -9,16 +9,18 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from kvserve.gateway.backends import Backend
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.request_state import RequestState
 from kvserve.gateway.routing import NoBackendAvailable, RouteDecision, Router
 
-# Errors that prove the backend did not start on the request (or never got it), so resending cannot duplicate.
-RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                    httpx.WriteError, httpx.PoolTimeout)
+# Errors that prove the backend did not start on the request (or never got it), so resending cannot duplicate:
+# refused or timed out connecting, the connection dropped or reset before the response's headers (a read
+# timeout is not among them: the backend may be prefilling it).
+# (aiohttp.ClientOSError includes ClientConnectorError, a refused connection.)
+RETRYABLE_ERRORS = (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError)
 RETRYABLE_STATUSES = (503,)
 
 
@@ -38,19 +40,20 @@ class RetryPolicy:
 @dataclass(slots=True)
 class Upstream:
     decision: RouteDecision
-    response: httpx.Response  # headers read; the body not yet
+    response: aiohttp.ClientResponse  # headers read; the body not yet
 
     @property
     def backend(self) -> Backend:
         return self.decision.backend
 
     async def close(self) -> None:
-        # Closing a partly read response drops its connection: the backend sees its client leave and aborts.
-        await self.response.aclose()
+        # Closing a partly read response drops its connection: the backend sees its client leave and aborts. A
+        # body read to its end has already given its connection back to the pool, which this leaves open.
+        self.response.close()
         self.backend.in_flight -= 1
 
 
-async def open_upstream(http: httpx.AsyncClient, router: Router, metrics: GatewayMetrics, policy: RetryPolicy,
+async def open_upstream(http: aiohttp.ClientSession, router: Router, metrics: GatewayMetrics, policy: RetryPolicy,
                         path: str, content: bytes, headers: dict[str, str], session_id: str | None,
                         block_hashes: list[str], known: RequestState | None = None) -> Upstream:
     """`known`: the request's state as read before routing, good for the first attempt only."""
@@ -73,7 +76,7 @@ async def open_upstream(http: httpx.AsyncClient, router: Router, metrics: Gatewa
     raise UpstreamFailed(f"{policy.max_attempts} attempts failed; last: {last_failure}")
 
 
-async def _attempt(http: httpx.AsyncClient, decision: RouteDecision, metrics: GatewayMetrics, path: str,
+async def _attempt(http: aiohttp.ClientSession, decision: RouteDecision, metrics: GatewayMetrics, path: str,
                    content: bytes, headers: dict[str, str]) -> Upstream | str:
     """An open Upstream, or why this backend failed."""
     backend = decision.backend
@@ -81,8 +84,7 @@ async def _attempt(http: httpx.AsyncClient, decision: RouteDecision, metrics: Ga
     backend.in_flight += 1
     started = time.perf_counter()
     try:
-        request = http.build_request("POST", backend.url + path, content=content, headers=headers)
-        response = await http.send(request, stream=True)
+        response = await http.post(backend.url + path, data=content, headers=headers)
     except RETRYABLE_ERRORS as exc:
         backend.in_flight -= 1
         backend.breaker.on_failure()
@@ -91,10 +93,10 @@ async def _attempt(http: httpx.AsyncClient, decision: RouteDecision, metrics: Ga
         backend.in_flight -= 1
         raise
     metrics.upstream_latency.labels(backend.url).observe(time.perf_counter() - started)
-    if response.status_code in RETRYABLE_STATUSES:
-        await response.aclose()
+    if response.status in RETRYABLE_STATUSES:
+        response.close()
         backend.in_flight -= 1
         backend.breaker.on_failure()
-        return f"{backend.url}: HTTP {response.status_code}"
+        return f"{backend.url}: HTTP {response.status}"
     backend.breaker.on_success()
     return Upstream(decision, response)

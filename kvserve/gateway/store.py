@@ -79,6 +79,35 @@ def open_store(redis_url: str | None, state_path: str, limits: StoreLimits | Non
     return SQLiteStore(state_path, limits)
 
 
+# read_request_state's commands, those its query asks for, in this order. KEYS: the keys hash, the requests
+# counter, the tokens counter, the session, the conversation, the prefix entries and the horizons hash, each
+# only when asked. ARGV: the key id or '', the requests counter's TTL or '', then 1/0 for the tokens counter,
+# the session and the conversation, then how many prefix entries. A missing value comes back as nil.
+READ_STATE_SCRIPT = """
+local out, next_key = {}, 1
+local function key()
+  next_key = next_key + 1
+  return KEYS[next_key - 1]
+end
+if ARGV[1] ~= '' then out[#out + 1] = redis.call('HGET', key(), ARGV[1]) end
+if ARGV[2] ~= '' then
+  local counter = key()
+  out[#out + 1] = redis.call('INCRBY', counter, 1)
+  redis.call('EXPIRE', counter, ARGV[2])
+end
+if ARGV[3] == '1' then out[#out + 1] = redis.call('GET', key()) end
+if ARGV[4] == '1' then out[#out + 1] = redis.call('GET', key()) end
+if ARGV[5] == '1' then out[#out + 1] = redis.call('LRANGE', key(), 0, -1) end
+local num_prefixes = tonumber(ARGV[6])
+if num_prefixes > 0 then
+  out[#out + 1] = redis.call('MGET', unpack(KEYS, next_key, next_key + num_prefixes - 1))
+  next_key = next_key + num_prefixes
+  out[#out + 1] = redis.call('HGETALL', key())
+end
+return out
+"""
+
+
 class RedisStore:
     def __init__(self, url: str, limits: StoreLimits) -> None:
         import redis.asyncio as redis
@@ -93,6 +122,7 @@ class RedisStore:
                                           socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 1),
                                           health_check_interval=0)
         self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._read_state = self.redis.register_script(READ_STATE_SCRIPT)
 
     async def _call(self, coroutine):
         try:
@@ -196,30 +226,33 @@ class RedisStore:
         return sorted((json.loads(b) for b in bodies), key=lambda r: r["created_at"])
 
     async def read_request_state(self, query: StateQuery) -> RequestState:
-        """One MULTI/EXEC: one round trip whatever the query holds, and the counter's INCR and EXPIRE together."""
-        pipe = self.redis.pipeline(transaction=True)
+        """One script call (EVALSHA): one round trip and one reply whatever the query holds, run atomically, the
+        counter's INCRBY and EXPIRE together. (A MULTI/EXEC of the same commands is as atomic, but redis-py reads
+        and checks a reply per command, QUEUED ones included: the better part of the gateway's Redis CPU.)"""
+        keys = []
         if query.key_id is not None:
-            pipe.hget(f"{PREFIX}keys", query.key_id)
+            keys.append(f"{PREFIX}keys")
         if query.requests_counter is not None:
-            pipe.incrby(f"{PREFIX}counter:{query.requests_counter}", 1)
-            pipe.expire(f"{PREFIX}counter:{query.requests_counter}", query.counter_ttl_s)
+            keys.append(f"{PREFIX}counter:{query.requests_counter}")
         if query.tokens_counter is not None:
-            pipe.get(f"{PREFIX}counter:{query.tokens_counter}")
+            keys.append(f"{PREFIX}counter:{query.tokens_counter}")
         if query.session_id is not None:
-            pipe.get(f"{PREFIX}session:{query.session_id}")
+            keys.append(f"{PREFIX}session:{query.session_id}")
         if query.conversation_id is not None:
-            pipe.lrange(f"{PREFIX}conversation:{query.conversation_id}", 0, -1)
+            keys.append(f"{PREFIX}conversation:{query.conversation_id}")
         if query.prefix_hashes:
-            pipe.mget([f"{PREFIX}prefix:{h}" for h in query.prefix_hashes])
-            pipe.hgetall(f"{PREFIX}horizons")
-        results = iter(await self._call(pipe.execute()))
+            keys += [f"{PREFIX}prefix:{h}" for h in query.prefix_hashes]
+            keys.append(f"{PREFIX}horizons")
+        flags = [query.key_id or "", query.counter_ttl_s if query.requests_counter is not None else "",
+                 int(query.tokens_counter is not None), int(query.session_id is not None),
+                 int(query.conversation_id is not None), len(query.prefix_hashes)]
+        results = iter(await self._call(self._read_state(keys=keys, args=flags)))
         state = RequestState()
         if query.key_id is not None:
             body = next(results)
             state.key_record = None if body is None else json.loads(body)
         if query.requests_counter is not None:
             state.requests_used = int(next(results))
-            next(results)  # EXPIRE's answer
         if query.tokens_counter is not None:
             state.tokens_used = int(next(results) or 0)
         if query.session_id is not None:
@@ -229,7 +262,8 @@ class RedisStore:
         if query.conversation_id is not None:
             state.conversation = [json.loads(item) for item in next(results)]
         if query.prefix_hashes:
-            state.prefix_entries = live_entries(next(results), next(results))
+            values, horizons = next(results), next(results)
+            state.prefix_entries = live_entries(values, dict(zip(horizons[::2], horizons[1::2])))
         return state
 
     async def close(self) -> None:

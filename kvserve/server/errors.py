@@ -98,5 +98,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}", type=SERVER_ERROR).response()
+        return unexpected_error_response(request.method, request.url.path, exc)
+
+
+def unexpected_error_response(method: str, path: str, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", method, path, exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}", type=SERVER_ERROR).response()
