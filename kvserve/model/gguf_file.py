@@ -520,8 +520,8 @@ def dequantize(
 # ---------------------------------------------------------------------------------------------- blocks, as stored
 
 # Block types whose bytes small-batch matmuls read in place of dequantized weights (layers.BlockQuantWeight):
-# (bytes of fp16 scales before the values, whether a fp16 minimum follows the scale, value bits).
-BLOCK_LAYOUTS = {T.Q4_0: (2, False, 4), T.Q4_1: (2, True, 4), T.Q8_0: (2, False, 8)}
+# (whether an fp16 minimum follows the block's fp16 scale, value bits).
+BLOCK_LAYOUTS = {T.Q4_0: (False, 4), T.Q4_1: (True, 4), T.Q8_0: (False, 8)}
 
 
 def split_blocks(rows: torch.Tensor, ggml_type: gguf.GGMLQuantizationType
@@ -529,8 +529,8 @@ def split_blocks(rows: torch.Tensor, ggml_type: gguf.GGMLQuantizationType
     """uint8 [N, K / 32 * block bytes] rows of ggml blocks -> (values uint8 [N, K / 2 or K], scales fp16
     [N, K / 32], mins fp16 [N, K / 32], empty for 8-bit values), as csrc/block_quant_linear.cpp reads them.
     Q4_0's offset of 8 becomes a minimum of -8d, exact in fp16."""
-    _, has_min, bits = BLOCK_LAYOUTS[ggml_type]
-    block_size, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
+    has_min, bits = BLOCK_LAYOUTS[ggml_type]
+    _, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
     num_rows = rows.shape[0]
     blocks = rows.reshape(num_rows, -1, block_bytes)
     header = 4 if has_min else 2

@@ -27,15 +27,13 @@ constexpr int64_t kMaxRows = 2;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerTask = 16;
 
-enum Values : int64_t { kNibbles = 4, kInt8 = 8 };
+enum Values : int64_t { kNibbles = 4, kInt8 = 8 };  // each named by its bits a value
 
 struct WeightBlocks {
   const uint8_t* qs;
   const at::Half* scales;
   const at::Half* mins;  // nullptr for int8 values
 };
-
-constexpr int64_t bits(int64_t type) { return type; }
 
 // The block's 32 values (without d and m) times 32 values of x, summed: q . x.
 template <int64_t Type>
@@ -114,7 +112,7 @@ inline void widen_scales(const at::Half* scales, int64_t n, float* out) {
 template <int64_t Type, int M, typename out_t>
 void rows(const float* x, const float* x_sums, const WeightBlocks& w, const float* bias, int64_t K, int64_t N,
           int64_t n0, int64_t n1, out_t* out) {
-  const int64_t blocks = K / kBlock, qs_bytes = kBlock * bits(Type) / 8;
+  const int64_t blocks = K / kBlock, qs_bytes = kBlock * Type / 8;
   std::vector<float> d(blocks);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.qs + n * blocks * qs_bytes;
