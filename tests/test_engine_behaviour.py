@@ -101,6 +101,24 @@ def test_too_long_prompt_is_rejected_not_truncated(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_vllm_prompt_dicts_give_what_their_text_or_ids_give(llm):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ids = prompt(7, 20)
+    text = llm.get_tokenizer().decode(ids)
+    by_ids, by_dict = llm.generate([ids, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert by_dict.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    by_text, by_text_dict = llm.generate([text, {"prompt": text}], params, use_tqdm=False)
+    assert by_text_dict.outputs[0].token_ids == by_text.outputs[0].token_ids
+    assert llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        by_ids.outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"text": text}], params, use_tqdm=False)
+    with pytest.raises(RequestRejected, match="integers"):
+        llm.generate([ids, [1, "2", 3]], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert all_free(llm)
+
+
 def test_invalid_sampling_params_fail_clearly():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)

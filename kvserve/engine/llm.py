@@ -13,7 +13,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]  # dict: vLLM's TextPrompt {"prompt": ...} or TokensPrompt {"prompt_token_ids": ...}
 
 
 class LLM:
@@ -44,14 +44,21 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the order given."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_prompt_of(prompt) for prompt in prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         request_ids = [str(next(self._ids)) for _ in prompts]
-        for request_id, prompt, param in zip(request_ids, prompts, params):
-            self.engine.add_request(request_id, prompt, param)
+        added: list[str] = []
+        try:
+            for request_id, prompt, param in zip(request_ids, prompts, params):
+                self.engine.add_request(request_id, prompt, param)
+                added.append(request_id)
+        except Exception:
+            self.engine.abort_request(added)  # one bad prompt rejects the call, not the prompts before it
+            raise
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -90,3 +97,14 @@ class LLM:
                         pending.discard(output.request_id)
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _prompt_of(prompt: Prompt) -> str | list[int]:
+    """The text or token ids in a prompt given as either, or as vLLM's TextPrompt / TokensPrompt dict."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids'; got keys {sorted(prompt)}")

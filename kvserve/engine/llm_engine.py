@@ -183,6 +183,9 @@ class LLMEngine:
         if not token_ids:
             raise RequestRejected("the prompt is empty; send at least one token", param="prompt")
         vocab = self.loaded.config.vocab_size
+        wrong_type = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)), None)
+        if wrong_type is not None:
+            raise RequestRejected(f"token ids must be integers; got {wrong_type!r}", param="prompt")
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRejected(f"token id {bad} is out of vocabulary (0..{vocab - 1})", param="prompt")
