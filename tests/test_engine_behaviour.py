@@ -1,5 +1,6 @@
 """What users of the engine see: seeds, stops, limits, logprobs, n, aborts, rejected input, block accounting."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -111,6 +112,8 @@ def test_vllm_prompt_dicts_give_what_their_text_or_ids_give(llm):
     assert by_text_dict.outputs[0].token_ids == by_text.outputs[0].token_ids
     assert llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids == \
         by_ids.outputs[0].token_ids
+    by_numpy = llm.generate({"prompt_token_ids": np.array(ids)}, params, use_tqdm=False)[0]
+    assert by_numpy.outputs[0].token_ids == by_ids.outputs[0].token_ids
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate([{"text": text}], params, use_tqdm=False)
     with pytest.raises(RequestRejected, match="integers"):

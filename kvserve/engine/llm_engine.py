@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -172,6 +173,7 @@ class LLMEngine:
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids, params)
+        token_ids = [int(t) for t in token_ids]  # numpy's integers are welcome; downstream sees plain ints
         children = [self._make_child(request_id, index, token_ids, params, cache_salt) for index in range(params.n)]
         self.parents[request_id] = ParentRequest(request_id, prompt_text, children)
         for child in children:
@@ -183,7 +185,7 @@ class LLMEngine:
         if not token_ids:
             raise RequestRejected("the prompt is empty; send at least one token", param="prompt")
         vocab = self.loaded.config.vocab_size
-        wrong_type = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)), None)
+        wrong_type = next((t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
         if wrong_type is not None:
             raise RequestRejected(f"token ids must be integers; got {wrong_type!r}", param="prompt")
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
