@@ -208,9 +208,9 @@ def policy_run(gateway: ServerProcess, backends: list[ServerProcess], api_key: s
                args: argparse.Namespace, label: str) -> dict:
     workload = MultiTurnWorkload(WordText(TOKENS_PER_WORD), seed, args.num_turns, args.system_prompt_len,
                                  args.user_len, args.output_len)
-    before = [scrape(b.url) for b in backends]
+    before, decisions_before = [scrape(b.url) for b in backends], scrape_decisions(gateway.url)
     records = asyncio.run(run_sessions(gateway.url, api_key, model, workload, args, label))
-    after = [scrape(b.url) for b in backends]
+    after, decisions_after = [scrape(b.url) for b in backends], scrape_decisions(gateway.url)
     delta = [{name: a[name] - b[name] for name in COUNTERS} for a, b in zip(after, before)]
     hits = sum(d["vllm:prefix_cache_hits_total"] for d in delta)
     queries = sum(d["vllm:prefix_cache_queries_total"] for d in delta)
@@ -223,6 +223,8 @@ def policy_run(gateway: ServerProcess, backends: list[ServerProcess], api_key: s
         "ttft_p95_ms": float(np.percentile([r.ttft_s for r in ok], 95) * 1000),
         "prompt_tokens_by_backend": prompt_shares,
         "misses": miss_breakdown(records),
+        "decisions": {reason: count - decisions_before.get(reason, 0.0) for reason, count in decisions_after.items()
+                      if count > decisions_before.get(reason, 0.0)},
     }
 
 
@@ -433,6 +435,9 @@ def report_routing(session: dict, round_robin: dict, store: str, args: argparse.
     print("prompt tokens, from the answers' usage (cached_tokens per turn):")
     for part in session["misses"]:
         print(f"  {part:26}{session['misses'][part]:>17.1%}{round_robin['misses'][part]:>14.1%}")
+    for name, row in (("session routing", session), ("round robin", round_robin)):
+        counts = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(row["decisions"].items()))
+        print(f"routing decisions, {name}: {counts}")
 
 
 def report_overhead(overhead: dict, args: argparse.Namespace) -> None:

@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
         raise EngineStartError(f"--num-tokens must be at least 2, got {args.num_tokens}", usage=True)
     text = _read_text(args.text_file)
     reference_name = args.kv_cache_dtype
-    reference, num_tokens, model_name = _score(args, reference_name, text)
+    reference, num_tokens, model_name = score_text(args, reference_name, text)
     rows = []
     for name in candidates:
-        scored, _, _ = _score(args, name, text)
+        scored, _, _ = score_text(args, name, text)
         rows.append(compare(name, reference, scored))
         if not args.json:
             print(f"  scored {name}", file=sys.stderr)
@@ -70,7 +70,7 @@ def _read_text(path: str | None) -> str:
         raise EngineStartError(f"--text-file {path}: {exc.strerror or exc}", usage=True) from None
 
 
-def _score(args: argparse.Namespace, kv_cache_dtype: str, text: str):
+def score_text(args: argparse.Namespace, kv_cache_dtype: str, text: str):
     """The text's prompt logprobs (top-20 per position) under one KV dtype, from a fresh engine."""
     from kvserve.engine.kv_eval import TOP_LOGPROBS
     from kvserve.engine.llm import LLM

@@ -43,21 +43,51 @@ inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
   for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64)
     _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
 }
+
+// Before scoring keys [t0, t0 + 16): asks for the keys up to kPrefetchDistance ahead that are not on their way
+// yet (all of them at t0 = 0), so they arrive while these are summed.
+template <typename scalar_t>
+inline void prefetch_keys(const scalar_t* k_cache, const std::vector<int64_t>& offsets, int64_t t0, int64_t head_dim) {
+  const int64_t num_tokens = static_cast<int64_t>(offsets.size());
+  for (int64_t i = t0 == 0 ? 0 : t0 + kPrefetchDistance - 16; i < std::min(t0 + kPrefetchDistance, num_tokens); ++i)
+    prefetch_row(k_cache + offsets[i], head_dim);
+}
 #endif
 
 #if defined(__AVX512F__)
 using simd::Simd;
 
-// The GQA group's query rows (scores pass) and accumulators (values pass) stay in registers across the whole
-// context: kChunks registers per row, at most 16 registers in all.
+// The values pass keeps the GQA group's accumulators in registers across the whole context: kChunks registers
+// per query row, at most 16 registers in all.
 template <int kHeadDim>
 struct RegisterPlan {
   static constexpr int kChunks = kHeadDim / 16;
   static constexpr int kMaxGroup = kHeadDim > 0 && kHeadDim % 16 == 0 ? 16 / kChunks : 0;
 };
 
+// Lane i of the result is the horizontal sum of v[i]: a transpose-and-add tree, ~3 instructions per vector
+// where a reduction per vector takes ~10.
+inline __m512 horizontal_sums16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // quads[i], 128-bit lane L: partial sums over lane L of v[4i..4i+3]; now add the four lanes.
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// fp32 scores with the whole GQA group's query rows held in registers, each key loaded once for all of them:
+// faster than 16 keys at a time (below) over rows already in L2 (a quantized cache's decoded part), slower over
+// 16-bit rows from DRAM, where one reduction per key and query row dominates (benchmarks/attention_kernels.py).
 template <typename scalar_t, int kHeadDim, typename ForEachToken>
-void scores_avx512(const float* qf, const scalar_t* k_cache, int64_t group, int64_t num_tokens, float* scores,
+void scores_avx512_in_registers(const float* qf, const scalar_t* k_cache, int64_t group, int64_t num_tokens, float* scores,
                    ForEachToken&& for_each_token) {
   constexpr int kChunks = RegisterPlan<kHeadDim>::kChunks, kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
   __m512 qv[kMaxGroup][kChunks];
@@ -72,6 +102,33 @@ void scores_avx512(const float* qf, const scalar_t* k_cache, int64_t group, int6
       scores[g * num_tokens + t] = _mm512_reduce_add_ps(dot);
     }
   });
+}
+
+// fp32 scores over a 16-bit cache: each query row of the GQA group against 16 keys at a time, the 16 dot
+// products reduced together (a reduction per key costs more than the key's FMAs). The group's first row streams
+// the keys in, asking for those kPrefetchDistance tokens ahead; the later rows find them in L2. qf is scaled.
+template <typename scalar_t, int kHeadDim>
+void scores_avx512(const float* qf, const scalar_t* k_cache, const std::vector<int64_t>& offsets, int64_t group,
+                   float* scores) {
+  constexpr int kChunks = kHeadDim / 16;
+  const int64_t num_tokens = static_cast<int64_t>(offsets.size());
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 qv[kChunks];
+    for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_ps(qf + g * kHeadDim + c * 16);
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
+      const int64_t count = std::min<int64_t>(16, num_tokens - t0);
+      if (g == 0) prefetch_keys(k_cache, offsets, t0, kHeadDim);
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        const scalar_t* key = k_cache + offsets[t0 + std::min<int64_t>(i, count - 1)];
+        __m512 acc = _mm512_mul_ps(qv[0], Simd::load(key));
+        for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[c], Simd::load(key + c * 16), acc);
+        dots[i] = acc;
+      }
+      _mm512_mask_storeu_ps(scores + g * num_tokens + t0, static_cast<__mmask16>((1u << count) - 1),
+                            horizontal_sums16(dots));
+    }
+  }
 }
 
 template <typename scalar_t, int kHeadDim, typename ForEachToken>
@@ -95,24 +152,6 @@ void values_avx512(const scalar_t* v_cache, const float* probs, int64_t group, i
 
 #if defined(__AVX512BF16__)
 
-// Lane i of the result is the horizontal sum of v[i]: a transpose-and-add tree, ~3 instructions per vector
-// where a reduction per vector takes ~10.
-inline __m512 horizontal_sums16(const __m512* v) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // quads[i], 128-bit lane L: partial sums over lane L of v[4i..4i+3]; now add the four lanes.
-  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // bf16 scores straight from the cache rows with vdpbf16ps (bf16 pair products, fp32 sums): no widening, and
 // 16 keys reduced together. q is the GQA group's unscaled bf16 rows; `scale` applies to the fp32 scores.
 template <int kHeadDim>
@@ -125,9 +164,7 @@ void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const std::
     for (int c = 0; c < kVectors; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * kHeadDim + c * 32);
     for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
       const int64_t count = std::min<int64_t>(16, num_tokens - t0);
-      if (g == 0)  // keys kPrefetchDistance ahead are on their way while these are summed
-        for (int64_t i = t0 == 0 ? 0 : t0 + kPrefetchDistance - 16; i < std::min(t0 + kPrefetchDistance, num_tokens); ++i)
-          prefetch_row(k_cache + offsets[i], kHeadDim);
+      if (g == 0) prefetch_keys(k_cache, offsets, t0, kHeadDim);
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) {
         const at::BFloat16* key = k_cache + offsets[t0 + std::min<int64_t>(i, count - 1)];
@@ -290,24 +327,30 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   if (in_registers) {
 #if defined(__AVX512F__)
     if constexpr (kVectorised) {
+      offsets.clear();
+      for_each_token([&](int64_t, int64_t offset) { offsets.push_back(offset); });
+      constexpr bool kBf16Scores =
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<q_t, at::BFloat16> && kHeadDim % 32 == 0) {
-        offsets.clear();
-        for_each_token([&](int64_t, int64_t offset) { offsets.push_back(offset); });
-        scores_bf16<kHeadDim>(q, k_cache, offsets, group, scale, scores.data());
-        exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
-        auto for_each_prefetched = [&](auto&& visit) {
-          for (int64_t t = 0; t < num_tokens; ++t) {
-            if (t + kPrefetchDistance < num_tokens) prefetch_row(v_cache + offsets[t + kPrefetchDistance], kHeadDim);
-            visit(t, offsets[t]);
-          }
-        };
-        return values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc, for_each_prefetched);
-      }
+          std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<q_t, at::BFloat16> && kHeadDim % 32 == 0;
+#else
+          false;
 #endif
-      scores_avx512<scalar_t, kHeadDim>(qf.data(), k_cache, group, num_tokens, scores.data(), for_each_token);
+      if constexpr (kBf16Scores) {
+        scores_bf16<kHeadDim>(q, k_cache, offsets, group, scale, scores.data());
+      } else if constexpr (std::is_same_v<scalar_t, float>) {
+        scores_avx512_in_registers<scalar_t, kHeadDim>(qf.data(), k_cache, group, num_tokens, scores.data(),
+                                                       for_each_token);
+      } else {
+        scores_avx512<scalar_t, kHeadDim>(qf.data(), k_cache, offsets, group, scores.data());
+      }
       exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
-      values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc, for_each_token);
+      auto for_each_prefetched = [&](auto&& visit) {
+        for (int64_t t = 0; t < num_tokens; ++t) {
+          if (t + kPrefetchDistance < num_tokens) prefetch_row(v_cache + offsets[t + kPrefetchDistance], kHeadDim);
+          visit(t, offsets[t]);
+        }
+      };
+      values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc, for_each_prefetched);
     }
 #endif
   } else {
