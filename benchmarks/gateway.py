@@ -3,7 +3,7 @@ in front of them (session routing and round robin, both `kvserve gateway` proces
 SQLite when redis-server is not installed), and
 
 1. a multi-turn chat workload (the bench's `multi-turn` sessions, each session its own `user`, every turn
-   resending the history with the server's actual answers) through each gateway: the backends' prefix-cache
+   resending the history with the server's actual answers, after a think time) through each gateway: the backends' prefix-cache
    hit rate over the run (their own vllm:prefix_cache_* counters), TTFT p95, how requests spread, and where
    the misses come from (each turn's cached_tokens against the previous turn's prompt + answer);
 2. the gateway's overhead: small requests sent alternately to a backend directly and through the gateway
@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--system-prompt-len", type=int, default=64)
     parser.add_argument("--user-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
+    # Users read an answer before they type the next turn. Without a pause the sessions run in lock-step: one
+    # backend's sessions all arrive in the same moment each turn, and every backend prefills at once on cores
+    # they share, which no deployment of independent users does.
+    parser.add_argument("--think-time", type=float, default=2.0,
+                        help="mean seconds between an answer and the next turn (exponential; sessions also start "
+                             "spread over one mean think time); 0: none, every session in lock-step")
     # Each backend's pool holds its share of the live sessions (8 x ~1,700 tokens at the last turn, 23,040 B a
     # token on the demo model), as a deployment sized for its sessions would: not every session on every backend.
     parser.add_argument("--kv-cache-memory", type=float, default=0.29, help="GiB of KV pool per backend")
@@ -160,8 +166,10 @@ async def run_sessions(gateway_url: str, api_key: str, model: str, workload: Mul
             target = Target(gateway_url, model, CHAT, api_key, temperature=0.0, ignore_eos=True,
                             extra_body={"user": f"{label}-{index}"})
             conversation, replies = workload.session(index), []
+            await asyncio.sleep(index * args.think_time / args.num_sessions)
             async with gate:
                 for turn in range(args.num_turns):
+                    await asyncio.sleep(conversation.turns[turn].delay_s)
                     record = RequestRecord(index, turn, time.perf_counter() - started, args.output_len)
                     await send_request(http, target, record, chat_messages(conversation, turn, replies), 600.0)
                     records.append(record)
@@ -207,7 +215,7 @@ def miss_breakdown(records: list[RequestRecord]) -> dict[str, float]:
 def policy_run(gateway: ServerProcess, backends: list[ServerProcess], api_key: str, model: str, seed: int,
                args: argparse.Namespace, label: str) -> dict:
     workload = MultiTurnWorkload(WordText(TOKENS_PER_WORD), seed, args.num_turns, args.system_prompt_len,
-                                 args.user_len, args.output_len)
+                                 args.user_len, args.output_len, think_time_s=args.think_time)
     before, decisions_before = [scrape(b.url) for b in backends], scrape_decisions(gateway.url)
     records = asyncio.run(run_sessions(gateway.url, api_key, model, workload, args, label))
     after, decisions_after = [scrape(b.url) for b in backends], scrape_decisions(gateway.url)
@@ -424,7 +432,7 @@ def report_routing(session: dict, round_robin: dict, store: str, args: argparse.
 
     print(f"\n{args.num_backends} backends (demo model), state in {store}; {args.num_sessions} sessions x "
           f"{args.num_turns} turns, system {args.system_prompt_len} + user {args.user_len} tokens a turn, "
-          f"{args.output_len} out, {args.max_concurrency} sessions at once")
+          f"{args.output_len} out, {args.max_concurrency} sessions at once, think time {args.think_time:g} s")
     print(f"{'':28}{'session routing':>18}{'round robin':>14}{'ratio':>9}")
     print(f"{'prefix-cache hit rate':28}{session['hit_rate']:>17.1%}{round_robin['hit_rate']:>14.1%}"
           f"{session['hit_rate'] / max(round_robin['hit_rate'], 1e-9):>8.2f}x")
