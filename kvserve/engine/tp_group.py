@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
@@ -109,7 +110,7 @@ class TensorParallelGroup:
         """The error to raise when a collective failed: which worker died, if one did."""
         for process in self.processes:
             process.join(timeout=2.0)  # a peer's death is what makes gloo raise: let its exit code arrive
-        dead = [rank for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
+        dead = [rank for rank, p in enumerate(self.processes, start=1) if _exit_code(p) is not None]
         if dead:
             return WorkerFailed(self.failure_message(dead[0]))
         return WorkerFailed(f"tensor-parallel collective failed: {exc}")
@@ -143,7 +144,7 @@ class TensorParallelGroup:
             except (EOFError, OSError):
                 message = None
         reason = message[1] if message is not None and message[0] == FAILED else None
-        code = process.exitcode
+        code = _exit_code(process)
         if code is None:
             status = "stopped answering"
         elif code < 0:
@@ -203,3 +204,13 @@ class ShardedBlockCopier:
         mine = torch.empty_like(parts[0])
         dist.scatter(mine, parts, src=0, group=cpu_group())
         self.local.write_joined(block_ids, mine)
+
+
+def _exit_code(process, settle_s: float = 0.5) -> int | None:
+    """The process's exit code, or None while it runs. Two threads may reap a dead worker at once (the watcher
+    and a step whose collective failed): the one that loses the race reads None for a moment, until the other
+    has stored the code, so a None is read again for up to `settle_s`."""
+    deadline = time.monotonic() + settle_s
+    while (code := process.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return code
