@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import kvserve.model.attention as attention_module
-from kvserve.cache.kv_quant import rotation_matrix
+from kvserve.cache.kv_quant import decode_scale_byte, encode_scale_byte, rotation_matrix
 from kvserve.engine import eval_kv_cli
 from kvserve.engine.kv_eval import compare, stdlib_text
 
@@ -64,8 +64,8 @@ def per_token_byte_scale(group: int) -> Quantizer:
 
 
 def _byte_up(scale: torch.Tensor) -> torch.Tensor:
-    mantissa, exponent = torch.frexp(scale.clamp(min=2.0**-20))
-    return torch.ldexp(torch.ceil(mantissa * 16) / 16, exponent)
+    """The smallest int8 scale byte's value at or above each scale (kv_quant's own codec)."""
+    return decode_scale_byte(encode_scale_byte(scale))
 
 
 def _fp8(x: torch.Tensor) -> torch.Tensor:
