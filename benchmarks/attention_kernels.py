@@ -8,7 +8,7 @@ prefill: the paged prefill kernel (every segment of a step in one call, K/V read
          on a 64-token chunk continuing a 2,000-token cached past (which the portable path must gather first);
 decode:  the paged decode kernel vs the portable path (one index_select gather + two matmuls per layer), at
          32 sequences x 450 tokens, cycling through `--layers` layers' caches so the KV comes from DRAM as in a
-         real decode step;
+         real decode step, and at 8 x 1,024 tokens with Llama-3-8B's heads (4 query heads per KV head);
 quantized decode: the decode kernel over a 4,096-token context (8 sequences) with the cache in bf16, fp8_e4m3,
          int8 and int4 (--kv-cache-dtype), each against bf16: fewer bytes per token read from DRAM.
 Prints milliseconds per layer for each (the best of 3 rounds) and the ratio.
@@ -46,8 +46,9 @@ def per_call_ms(fn, repeat: int, rounds: int = ROUNDS) -> float:
     return best * 1e3
 
 
-def paged_layers(num_layers: int, num_blocks: int, generator: torch.Generator) -> list[LayerKVCache]:
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+def paged_layers(num_layers: int, num_blocks: int, generator: torch.Generator, kv_heads: int = KV_HEADS,
+                 head_dim: int = HEAD_DIM) -> list[LayerKVCache]:
+    shape = (num_blocks, BLOCK, kv_heads, head_dim)
     return [LayerKVCache(torch.randn(shape, generator=generator).to(CACHE_DTYPE),
                          torch.randn(shape, generator=generator).to(CACHE_DTYPE)) for _ in range(num_layers)]
 
@@ -94,14 +95,14 @@ def prefill_case(name: str, new_tokens: list[int], pasts: list[int], layers: int
     print(f"{name:58} {ours:9.3f} {theirs:10.3f} {theirs / ours:7.2f}x")
 
 
-def decode_case(layers: int, kernels, generator) -> None:
-    num_seqs, context = 32, 450
+def decode_case(label: str, layers: int, kernels, generator, num_seqs: int = 32, context: int = 450,
+                heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> None:
     num_blocks = num_seqs * -(-context // BLOCK) + 1
-    caches = paged_layers(layers, num_blocks, generator)
+    caches = paged_layers(layers, num_blocks, generator, kv_heads, head_dim)
     group = DecodeGroup(block_tables([context] * num_seqs, num_blocks, generator),
                         torch.full((num_seqs,), context), context, BLOCK, None)
-    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
-    attn = Attention(HEADS, KV_HEADS, HEAD_DIM, None)
+    q = torch.randn(num_seqs, heads, head_dim, generator=generator).to(DTYPE)
+    attn = Attention(heads, kv_heads, head_dim, None)
     layer = iter(range(10**9))
     decode_fn = decode_kernel(kernels, DTYPE, caches[0])
 
@@ -112,7 +113,7 @@ def decode_case(layers: int, kernels, generator) -> None:
         _decode_portable(attn, q.view(num_seqs, -1), caches[next(layer) % layers], group)
 
     ours, theirs = per_call_ms(kernel, 4 * layers), per_call_ms(portable, 2 * layers)
-    print(f"{'decode: 32 seqs x 450 tokens, KV from DRAM':58} {ours:9.3f} {theirs:10.3f} {theirs / ours:7.2f}x")
+    print(f"{label:58} {ours:9.3f} {theirs:10.3f} {theirs / ours:7.2f}x")
 
 
 def quantized_decode_case(layers: int, kernels, generator) -> None:
@@ -156,7 +157,10 @@ def main() -> None:
     print(f"{'case':58} {'kernel':>9} {'torch path':>10} {'ratio':>8}")
     prefill_case("prefill: 5 prompts x 415 tokens, no past", [415] * 5, [0] * 5, args.layers, kernels, generator)
     prefill_case("prefill: 64-token chunk over a 2,000-token cached past", [64], [2000], args.layers, kernels, generator)
-    decode_case(args.layers, kernels, generator)
+    decode_case("decode: 32 seqs x 450 tokens, KV from DRAM", args.layers, kernels, generator)
+    # GQA groups wider than the values pass's registers hold (4 query rows per KV head here, 7 in Qwen2.5-7B)
+    decode_case("decode: 8 x 1,024 tokens, Llama-3-8B heads (32/8 x 128)", min(args.layers, 8), kernels, generator,
+                num_seqs=8, context=1024, heads=32, kv_heads=8, head_dim=128)
     quantized_decode_case(min(args.layers, 8), kernels, generator)
 
 

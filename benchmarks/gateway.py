@@ -212,6 +212,25 @@ def miss_breakdown(records: list[RequestRecord]) -> dict[str, float]:
     return {name: value / total for name, value in parts.items()}
 
 
+def ttft_by_turn(records: list[RequestRecord]) -> dict[int, tuple[float, float]]:
+    """TTFT p50 and p95 (ms) of each turn index."""
+    turns: dict[int, list[float]] = {}
+    for record in records:
+        turns.setdefault(record.turn_index, []).append(record.ttft_s * 1000)
+    return {turn: (float(np.percentile(v, 50)), float(np.percentile(v, 95))) for turn, v in sorted(turns.items())}
+
+
+def tail_breakdown(tail: list[RequestRecord]) -> dict[str, float]:
+    """What the requests at or above the TTFT p95 were: their turns, how much of their prompt the backend had
+    cached, and their prompt length (the prefill they waited for, or the one they queued behind)."""
+    if not tail:
+        return {}
+    cached = [r.cached_tokens / r.prompt_tokens for r in tail if r.cached_tokens is not None and r.prompt_tokens]
+    return {"requests": len(tail), "median turn": float(np.median([r.turn_index + 1 for r in tail])),
+            "mostly cached (>= 50%)": float(np.mean([c >= 0.5 for c in cached])) if cached else float("nan"),
+            "median prompt tokens": float(np.median([r.prompt_tokens or 0 for r in tail]))}
+
+
 def policy_run(gateway: ServerProcess, backends: list[ServerProcess], api_key: str, model: str, seed: int,
                args: argparse.Namespace, label: str) -> dict:
     workload = MultiTurnWorkload(WordText(TOKENS_PER_WORD), seed, args.num_turns, args.system_prompt_len,
@@ -224,7 +243,10 @@ def policy_run(gateway: ServerProcess, backends: list[ServerProcess], api_key: s
     queries = sum(d["vllm:prefix_cache_queries_total"] for d in delta)
     ok = [r for r in records if r.ok]
     prompt_shares = [d["vllm:prompt_tokens_total"] for d in delta]
+    p95 = float(np.percentile([r.ttft_s for r in ok], 95))
     return {
+        "ttft_by_turn": ttft_by_turn(ok),
+        "tail": tail_breakdown([r for r in ok if r.ttft_s >= p95]),
         "requests": len(records), "failed": len(records) - len(ok),
         "hit_rate": hits / queries if queries else 0.0,
         "ttft_p50_ms": float(np.percentile([r.ttft_s for r in ok], 50) * 1000),
@@ -446,6 +468,14 @@ def report_routing(session: dict, round_robin: dict, store: str, args: argparse.
     for name, row in (("session routing", session), ("round robin", round_robin)):
         counts = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(row["decisions"].items()))
         print(f"routing decisions, {name}: {counts}")
+    print("TTFT by turn, p50 / p95 (ms):")
+    for turn in session["ttft_by_turn"]:
+        ours, theirs = session["ttft_by_turn"][turn], round_robin["ttft_by_turn"].get(turn, (float("nan"),) * 2)
+        print(f"  turn {turn + 1:<21}{ours[0]:>9.0f} / {ours[1]:<6.0f}{theirs[0]:>7.0f} / {theirs[1]:<6.0f}"
+              f"{ours[1] / theirs[1]:>6.2f}x")
+    print("the requests at or above each policy's TTFT p95:")
+    for part in session["tail"]:
+        print(f"  {part:26}{session['tail'][part]:>17.2f}{round_robin['tail'].get(part, float('nan')):>14.2f}")
 
 
 def report_overhead(overhead: dict, args: argparse.Namespace) -> None:

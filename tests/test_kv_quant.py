@@ -92,7 +92,8 @@ def quantized_cache(kv_dtype, num_blocks, kv_heads, head_dim, generator, block_s
 @FAMILIES
 @FORMATS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(9, 3, 64, None), (8, 2, 128, 20), (6, 2, 40, None)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(9, 3, 64, None), (8, 2, 128, 20), (14, 2, 64, None),
+                                                            (6, 2, 40, None)])
 def test_decode_kernel_reads_quantized_cache_as_dequantize_then_attend(isa, kv_dtype, dtype, heads, kv_heads,
                                                                         head_dim, window):
     generator = torch.Generator().manual_seed(0)

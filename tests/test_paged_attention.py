@@ -47,7 +47,7 @@ def decode_case(dtype, heads, kv_heads, head_dim, window, cache_dtype=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 2, 40)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (14, 2, 64), (6, 2, 40)])
 @pytest.mark.parametrize("window", [None, 20])
 def test_portable_path_matches_dense_attention(dtype, heads, kv_heads, head_dim, window):
     cache, tables, lens, q = decode_case(dtype, heads, kv_heads, head_dim, window)
@@ -73,7 +73,7 @@ DTYPE_PAIRS = pytest.mark.parametrize("dtype,cache_dtype", [
 
 @FAMILIES
 @DTYPE_PAIRS
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 2, 40)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (14, 2, 64), (6, 2, 40)])
 @pytest.mark.parametrize("window", [None, 20])
 def test_decode_kernel_matches_dense_attention(isa, dtype, cache_dtype, heads, kv_heads, head_dim, window):
     kernels = kernels_for(isa)

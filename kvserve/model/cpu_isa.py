@@ -42,9 +42,11 @@ ISA_FAMILIES: tuple[CpuIsa, ...] = (
     CpuIsa("avx2", "AVX2+FMA", ("avx2", "fma", "f16c"), _AVX2, False),
     CpuIsa("avx512", "AVX-512", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"), _AVX512,
            False),
+    # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later) has AVX512-VNNI too: the int8
+    # KV cache is scored with its integer dot products.
     CpuIsa("avx512_bf16", "AVX-512 with BF16",
-           ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
-           (*_AVX512, "-mavx512bf16"), True),
+           ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
+           (*_AVX512, "-mavx512bf16", "-mavx512vnni"), True),
 )
 _BY_NAME = {isa.name: isa for isa in ISA_FAMILIES}
 

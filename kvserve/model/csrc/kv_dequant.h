@@ -36,6 +36,14 @@ inline uint16_t fp8_to_half_bits(uint8_t b, int64_t format) {
   return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7));
 }
 
+// An int8 row's scale byte as fp32: the byte's exponent and mantissa become fp32's.
+inline float byte_scale(uint32_t code) {
+  const uint32_t bits = ((code >> 3) - 20 + 127) << 23 | (code & 7) << 20;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return scale;
+}
+
 // One of K or V of one layer, as the kernels receive it.
 struct Source {
   const uint8_t* data;     // [slots, num_kv_heads, data_dim] bytes (int8 read as signed)
@@ -49,12 +57,8 @@ struct Source {
   const uint16_t* row_fp16_scales(int64_t slot, int64_t head) const {
     return static_cast<const uint16_t*>(scales) + (slot * num_kv_heads + head) * groups();
   }
-  float row_byte_scale(int64_t slot, int64_t head) const {  // the byte's exponent and mantissa become fp32's
-    const uint32_t code = static_cast<const uint8_t*>(scales)[slot * num_kv_heads + head];
-    const uint32_t bits = ((code >> 3) - 20 + 127) << 23 | (code & 7) << 20;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return scale;
+  float row_byte_scale(int64_t slot, int64_t head) const {
+    return byte_scale(static_cast<const uint8_t*>(scales)[slot * num_kv_heads + head]);
   }
   // Asks for a row's bytes ahead of use (strided rows: hardware prefetchers follow them poorly).
   void prefetch(int64_t slot, int64_t head) const {

@@ -4,8 +4,8 @@
 // walk the sequence's blocks through the block table, so K and V are read exactly once, in place; nothing is
 // gathered or padded. With fewer pairs than threads, contexts are split into parts whose partial results are
 // merged (flash decoding). Scores and softmax are fp32; the output is written in the query's dtype.
-// Built once per ISA family (simd.h): AVX-512 (with vdpbf16ps scores where AVX512-BF16 is), AVX2 + FMA, and
-// plain C++ for anything else.
+// Built once per ISA family (simd.h): AVX-512 (with vdpbf16ps scores where AVX512-BF16 is, and VNNI integer
+// scores over int8/int4 caches beside it), AVX2 + FMA, and plain C++ for anything else.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -37,20 +37,25 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
 #if defined(KVSERVE_SIMD)
 // Asks for a cache row ahead of use: the context of a decode step is usually out of cache (30 layers of a
 // batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly.
-constexpr int64_t kPrefetchDistance = 64;  // tokens
+static const int64_t kPrefetchDistance = std::getenv("PFD") ? std::atoi(std::getenv("PFD")) : 64;  // tokens
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
   for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64)
     _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
 }
 
-// Before scoring keys [t0, t0 + 16): asks for the keys up to kPrefetchDistance ahead that are not on their way
-// yet (all of them at t0 = 0), so they arrive while these are summed.
+// Before scoring keys [t0, t0 + 16): asks for the K and V rows up to kPrefetchDistance tokens ahead that are not
+// on their way yet (all of them at t0 = 0), so they arrive while these are summed. The values pass then finds its
+// rows in L2: a decode step is bound by how many misses are in flight, not by DRAM's bandwidth, and asking for V
+// beside K doubles them (1.2x at 8 x 4,096 tokens, bf16 or int8).
 template <typename scalar_t>
-inline void prefetch_keys(const scalar_t* k_cache, const std::vector<int64_t>& offsets, int64_t t0, int64_t head_dim) {
+inline void prefetch_ahead(const scalar_t* k_cache, const scalar_t* v_cache, const std::vector<int64_t>& offsets,
+                           int64_t t0, int64_t head_dim) {
   const int64_t num_tokens = static_cast<int64_t>(offsets.size());
-  for (int64_t i = t0 == 0 ? 0 : t0 + kPrefetchDistance - 16; i < std::min(t0 + kPrefetchDistance, num_tokens); ++i)
+  for (int64_t i = t0 == 0 ? 0 : t0 + kPrefetchDistance - 16; i < std::min(t0 + kPrefetchDistance, num_tokens); ++i) {
     prefetch_row(k_cache + offsets[i], head_dim);
+    prefetch_row(v_cache + offsets[i], head_dim);
+  }
 }
 #endif
 
@@ -66,21 +71,28 @@ struct RegisterPlan {
 };
 
 // Lane i of the result is the horizontal sum of v[i]: a transpose-and-add tree, ~3 instructions per vector
-// where a reduction per vector takes ~10.
+// where a reduction per vector takes ~10. The shuffles move bits; `add` says what the lanes hold (fp32 by
+// default, int32 for integer dot products passed as __m512 bits).
+inline __m512 add_fp32(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+inline __m512 add_int32(__m512 a, __m512 b) {
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
+
+template <__m512 (*add)(__m512, __m512) = add_fp32>
 inline __m512 horizontal_sums16(const __m512* v) {
   __m512 pairs[8], quads[4];
   for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    pairs[i] = add(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   for (int i = 0; i < 4; ++i)
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    quads[i] = add(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                   _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   // quads[i], 128-bit lane L: partial sums over lane L of v[4i..4i+3]; now add the four lanes.
-  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 low = add(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 high = add(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return add(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+             _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // fp32 scores with the whole GQA group's query rows held in registers, each key loaded once for all of them:
@@ -104,31 +116,46 @@ void scores_avx512_in_registers(const float* qf, const scalar_t* k_cache, int64_
   });
 }
 
-// fp32 scores over a 16-bit cache: each query row of the GQA group against 16 keys at a time, the 16 dot
-// products reduced together (a reduction per key costs more than the key's FMAs). The group's first row streams
-// the keys in, asking for those kPrefetchDistance tokens ahead; the later rows find them in L2. qf is scaled.
-template <typename scalar_t, int kHeadDim>
-void scores_avx512(const float* qf, const scalar_t* k_cache, const std::vector<int64_t>& offsets, int64_t group,
-                   float* scores) {
-  constexpr int kChunks = kHeadDim / 16;
+// Each query row of the GQA group against 16 keys at a time, the 16 dot products reduced together (a reduction
+// per key costs more than the key's products). The group's first row streams the keys in, asking for K and V
+// kPrefetchDistance tokens ahead; the later rows find them in L2. row_scorer(g) gives row g's `dot(key)` (one
+// key's lane sums, fp32 or int32 bits as `add` says) and `finish(sums)` (the 16 sums -> fp32 scores).
+template <__m512 (*add)(__m512, __m512) = add_fp32, typename scalar_t, typename RowScorer>
+void scores_16_keys_at_a_time(const scalar_t* k_cache, const scalar_t* v_cache, const std::vector<int64_t>& offsets,
+                              int64_t group, int64_t head_dim, float* scores, RowScorer&& row_scorer) {
   const int64_t num_tokens = static_cast<int64_t>(offsets.size());
   for (int64_t g = 0; g < group; ++g) {
-    __m512 qv[kChunks];
-    for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_ps(qf + g * kHeadDim + c * 16);
+    const auto row = row_scorer(g);
     for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
       const int64_t count = std::min<int64_t>(16, num_tokens - t0);
-      if (g == 0) prefetch_keys(k_cache, offsets, t0, kHeadDim);
+      if (g == 0) prefetch_ahead(k_cache, v_cache, offsets, t0, head_dim);
       __m512 dots[16];
-      for (int i = 0; i < 16; ++i) {
-        const scalar_t* key = k_cache + offsets[t0 + std::min<int64_t>(i, count - 1)];
-        __m512 acc = _mm512_mul_ps(qv[0], Simd::load(key));
-        for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[c], Simd::load(key + c * 16), acc);
-        dots[i] = acc;
-      }
+      for (int i = 0; i < 16; ++i) dots[i] = row.dot(k_cache + offsets[t0 + std::min<int64_t>(i, count - 1)]);
       _mm512_mask_storeu_ps(scores + g * num_tokens + t0, static_cast<__mmask16>((1u << count) - 1),
-                            horizontal_sums16(dots));
+                            row.finish(horizontal_sums16<add>(dots)));
     }
   }
+}
+
+// fp32 scores over a 16-bit cache or an int8 cache's codes (widened in registers). qf is scaled.
+template <typename scalar_t, int kHeadDim>
+void scores_avx512(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache,
+                   const std::vector<int64_t>& offsets, int64_t group, float* scores) {
+  constexpr int kChunks = kHeadDim / 16;
+  struct Row {
+    __m512 qv[kChunks];
+    __m512 dot(const scalar_t* key) const {
+      __m512 acc = _mm512_mul_ps(qv[0], Simd::load(key));
+      for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[c], Simd::load(key + c * 16), acc);
+      return acc;
+    }
+    __m512 finish(__m512 sums) const { return sums; }
+  };
+  scores_16_keys_at_a_time(k_cache, v_cache, offsets, group, kHeadDim, scores, [&](int64_t g) {
+    Row row;
+    for (int c = 0; c < kChunks; ++c) row.qv[c] = _mm512_loadu_ps(qf + g * kHeadDim + c * 16);
+    return row;
+  });
 }
 
 template <typename scalar_t, int kHeadDim, typename ForEachToken>
@@ -155,27 +182,221 @@ void values_avx512(const scalar_t* v_cache, const float* probs, int64_t group, i
 // bf16 scores straight from the cache rows with vdpbf16ps (bf16 pair products, fp32 sums): no widening, and
 // 16 keys reduced together. q is the GQA group's unscaled bf16 rows; `scale` applies to the fp32 scores.
 template <int kHeadDim>
-void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const std::vector<int64_t>& offsets,
-                 int64_t group, float scale, float* scores) {
+void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                 const std::vector<int64_t>& offsets, int64_t group, float scale, float* scores) {
   constexpr int kVectors = kHeadDim / 32;
-  const int64_t num_tokens = static_cast<int64_t>(offsets.size());
-  for (int64_t g = 0; g < group; ++g) {
+  struct Row {
     __m512bh qv[kVectors];
-    for (int c = 0; c < kVectors; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * kHeadDim + c * 32);
-    for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
-      const int64_t count = std::min<int64_t>(16, num_tokens - t0);
-      if (g == 0) prefetch_keys(k_cache, offsets, t0, kHeadDim);
-      __m512 dots[16];
-      for (int i = 0; i < 16; ++i) {
-        const at::BFloat16* key = k_cache + offsets[t0 + std::min<int64_t>(i, count - 1)];
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < kVectors; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(key + c * 32));
-        dots[i] = acc;
-      }
-      const __m512 sums = _mm512_mul_ps(horizontal_sums16(dots), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + g * num_tokens + t0, static_cast<__mmask16>((1u << count) - 1), sums);
+    float scale;
+    __m512 dot(const at::BFloat16* key) const {
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < kVectors; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(key + c * 32));
+      return acc;
+    }
+    __m512 finish(__m512 sums) const { return _mm512_mul_ps(sums, _mm512_set1_ps(scale)); }
+  };
+  scores_16_keys_at_a_time(k_cache, v_cache, offsets, group, kHeadDim, scores, [&](int64_t g) {
+    Row row;
+    for (int c = 0; c < kVectors; ++c) row.qv[c] = (__m512bh)_mm512_loadu_si512(q + g * kHeadDim + c * 32);
+    row.scale = scale;
+    return row;
+  });
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// Quantized keys scored in place with VNNI integer dot products (vpdpbusd: four u8 x s8 products summed per
+// int32 lane, 64 elements an instruction), for bf16 queries; fp32 queries keep exact fp32 scores.
+//
+// A query row as two int8 vectors per 64 elements: codes of step absmax / 127 and the remainder's codes of
+// step / 256, so q keeps ~15 bits, finer than its bf16 rounding (one int8 vector alone, as llama.cpp's q8_0
+// path takes, gave 2.6x the kernel's rms error at bf16). The keys' codes are unsigned, `key_offset` above their
+// values (int8 flipped by +128, int4's stored codes are value + 8); each lane starts from -key_offset x its
+// query codes' sum, which cancels the offset exactly. A key's lane sums, high x 256 + low, are the dot product
+// in units of step / 256; they stay within int32 for head sizes up to 128.
+template <int kVectors>
+struct QueryCodes {
+  __m512i coarse[kVectors], fine[kVectors], start[kVectors];
+  float unit;  // step / 256
+
+  QueryCodes() = default;
+  QueryCodes(const float* row, int key_offset) { init(row, key_offset); }
+
+  void init(const float* row, int key_offset) {
+    constexpr int kDim = kVectors * 64;
+    float absmax = 0.f;
+    for (int d = 0; d < kDim; ++d) absmax = std::max(absmax, std::abs(row[d]));
+    const float step = absmax > 0.f ? absmax / 127.f : 1.f;
+    unit = step / 256.f;
+    alignas(64) int8_t coarse_codes[kDim], fine_codes[kDim];
+    for (int d = 0; d < kDim; ++d) {
+      const float code = std::nearbyint(row[d] / step);
+      coarse_codes[d] = static_cast<int8_t>(code);
+      fine_codes[d] = static_cast<int8_t>(std::clamp(std::nearbyint((row[d] - code * step) / unit), -128.f, 127.f));
+    }
+    const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+    for (int c = 0; c < kVectors; ++c) {
+      coarse[c] = _mm512_load_si512(coarse_codes + c * 64);
+      fine[c] = _mm512_load_si512(fine_codes + c * 64);
+      const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, coarse[c]), 8),
+                                            _mm512_dpbusd_epi32(zero, ones, fine[c]));
+      start[c] = _mm512_mullo_epi32(sums, _mm512_set1_epi32(-key_offset));
     }
   }
+
+  // Lane sums of key vector c (unsigned codes) against this row, added to `low`'s start.
+  __m512i dot(__m512i key, int c) const {
+    const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), key, coarse[c]);
+    return _mm512_add_epi32(_mm512_slli_epi32(high, 8), _mm512_dpbusd_epi32(start[c], key, fine[c]));
+  }
+};
+
+// int8 keys: the caller applies the keys' per-row scales.
+template <int kHeadDim>
+void scores_int8_vnni(const float* qf, const int8_t* k_cache, const int8_t* v_cache,
+                      const std::vector<int64_t>& offsets, int64_t group, float* scores) {
+  constexpr int kVectors = kHeadDim / 64;
+  struct Row {
+    QueryCodes<kVectors> query;
+    __m512 dot(const int8_t* key) const {
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      __m512i sums = query.dot(_mm512_xor_si512(_mm512_loadu_si512(key), flip), 0);
+      for (int c = 1; c < kVectors; ++c)
+        sums = _mm512_add_epi32(sums, query.dot(_mm512_xor_si512(_mm512_loadu_si512(key + c * 64), flip), c));
+      return _mm512_castsi512_ps(sums);
+    }
+    __m512 finish(__m512 sums) const {
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_castps_si512(sums)), _mm512_set1_ps(query.unit));
+    }
+  };
+  scores_16_keys_at_a_time<add_int32>(k_cache, v_cache, offsets, group, kHeadDim, scores,
+                                      [&](int64_t g) { return Row{QueryCodes<kVectors>(qf + g * kHeadDim, 128)}; });
+}
+
+// ---- int4 K and V read in place (AVX-512 VNNI, bf16 queries) ----
+// A row's 64-element chunk is 32 bytes, two codes a byte (low nibble first), one fp16 scale per 32 elements.
+
+// The chunk's codes as one vector [low nibbles | high nibbles]: elements 0, 2, ..., 62, then 1, 3, ..., 63.
+inline __m512i int4_codes(const uint8_t* bytes) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, mask)),
+                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), 1);
+}
+
+// The chunk's two scales spread over the int32 lanes of int4_codes' order: lanes 0-3 and 8-11 hold the chunk's
+// first 32 elements, lanes 4-7 and 12-15 its last 32.
+inline __m512 int4_lane_scales(const uint16_t* scales) {
+  uint32_t pair;
+  std::memcpy(&pair, scales, sizeof(pair));
+  const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair))));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), both);
+}
+
+// Asks for the K and V rows (codes and scales) of tokens [t0 + kPrefetchDistance - 16, t0 + kPrefetchDistance),
+// all the first kPrefetchDistance at t0 = 0. rows: (slot, KV head) indices.
+inline void prefetch_int4_rows(const kvq::Source& keys, const kvq::Source& values, const std::vector<int64_t>& rows,
+                               int64_t t0) {
+  const int64_t num_tokens = static_cast<int64_t>(rows.size());
+  for (int64_t i = t0 == 0 ? 0 : t0 + kPrefetchDistance - 16; i < std::min(t0 + kPrefetchDistance, num_tokens); ++i) {
+    for (const kvq::Source* source : {&keys, &values}) {
+      _mm_prefetch(reinterpret_cast<const char*>(source->data + rows[i] * source->data_dim()), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(source->scales) + rows[i] * source->groups()),
+                   _MM_HINT_T0);
+    }
+  }
+}
+
+// Scores of every query row of the group, 16 keys at a time: each key's nibbles and lane scales are unpacked once
+// for all rows, each lane's integer dot product is scaled by its group's scale, then the lanes are summed.
+template <int kHeadDim>
+void scores_int4_vnni(const float* qf, const kvq::Source& keys, const kvq::Source& values,
+                      const std::vector<int64_t>& rows, int64_t group, float* scores) {
+  constexpr int kVectors = kHeadDim / 64;
+  const int64_t num_tokens = static_cast<int64_t>(rows.size());
+  std::vector<QueryCodes<kVectors>> queries(group);
+  for (int64_t g = 0; g < group; ++g) {
+    alignas(64) float permuted[kHeadDim];  // the row in int4_codes' element order
+    for (int c = 0; c < kVectors; ++c)
+      for (int i = 0; i < 32; ++i) {
+        permuted[c * 64 + i] = qf[g * kHeadDim + c * 64 + 2 * i];
+        permuted[c * 64 + 32 + i] = qf[g * kHeadDim + c * 64 + 2 * i + 1];
+      }
+    queries[g].init(permuted, 8);
+  }
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, num_tokens - t0);
+    prefetch_int4_rows(keys, values, rows, t0);
+    __m512i codes[16][kVectors];
+    __m512 lane_scales[16][kVectors];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t row = rows[t0 + std::min<int64_t>(i, count - 1)];
+      const uint8_t* bytes = keys.data + row * (kHeadDim / 2);
+      const uint16_t* row_scales = static_cast<const uint16_t*>(keys.scales) + row * (kHeadDim / kvq::kInt4Group);
+      for (int c = 0; c < kVectors; ++c) {
+        codes[i][c] = int4_codes(bytes + c * 32);
+        lane_scales[i][c] = int4_lane_scales(row_scales + 2 * c);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(queries[g].dot(codes[i][0], 0)), lane_scales[i][0]);
+        for (int c = 1; c < kVectors; ++c)
+          dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(queries[g].dot(codes[i][c], c)), lane_scales[i][c], dot);
+        dots[i] = dot;
+      }
+      _mm512_mask_storeu_ps(scores + g * num_tokens + t0, static_cast<__mmask16>((1u << count) - 1),
+                            _mm512_mul_ps(horizontal_sums16(dots), _mm512_set1_ps(queries[g].unit)));
+    }
+  }
+}
+
+// Probability-weighted sums of int4 value rows for up to RegisterPlan's kMaxGroup query rows (their accumulators
+// in registers): each row's codes are widened in element order, each group's scale folds into the probability,
+// and the codes' +8 comes off once at the end (8 x the sum of each group's weights).
+template <int kHeadDim>
+void values_int4(const kvq::Source& values, const std::vector<int64_t>& rows, const float* probs, int64_t group,
+                 float* acc) {
+  constexpr int kVectors = kHeadDim / 64, kChunks = kHeadDim / 16, kGroups = kHeadDim / kvq::kInt4Group;
+  constexpr int kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
+  const int64_t num_tokens = static_cast<int64_t>(rows.size());
+  __m512 sum[kMaxGroup][kChunks];
+  float weights[kMaxGroup][kGroups] = {};
+  for (int g = 0; g < kMaxGroup; ++g)
+    for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t row = rows[t];
+    const uint8_t* bytes = values.data + row * (kHeadDim / 2);
+    const uint16_t* row_scales = static_cast<const uint16_t*>(values.scales) + row * kGroups;
+    for (int c = 0; c < kVectors; ++c) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + c * 32));
+      const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+      // unpacklo: elements 0-15 | 32-47; unpackhi: 16-31 | 48-63
+      const __m256i first = _mm256_unpacklo_epi8(low, high), second = _mm256_unpackhi_epi8(low, high);
+      const __m128i parts[4] = {_mm256_castsi256_si128(first), _mm256_castsi256_si128(second),
+                                _mm256_extracti128_si256(first, 1), _mm256_extracti128_si256(second, 1)};
+      __m512 value[4];
+      for (int k = 0; k < 4; ++k) value[k] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k]));
+      const float scale_first = kvq::half_to_float(row_scales[2 * c]), scale_second = kvq::half_to_float(row_scales[2 * c + 1]);
+      for (int g = 0; g < kMaxGroup && g < group; ++g) {
+        const float p = probs[g * num_tokens + t];
+        const float w_first = p * scale_first, w_second = p * scale_second;
+        weights[g][2 * c] += w_first;
+        weights[g][2 * c + 1] += w_second;
+        const __m512 first_weight = _mm512_set1_ps(w_first), second_weight = _mm512_set1_ps(w_second);
+        sum[g][4 * c] = _mm512_fmadd_ps(first_weight, value[0], sum[g][4 * c]);
+        sum[g][4 * c + 1] = _mm512_fmadd_ps(first_weight, value[1], sum[g][4 * c + 1]);
+        sum[g][4 * c + 2] = _mm512_fmadd_ps(second_weight, value[2], sum[g][4 * c + 2]);
+        sum[g][4 * c + 3] = _mm512_fmadd_ps(second_weight, value[3], sum[g][4 * c + 3]);
+      }
+    }
+  }
+  for (int g = 0; g < kMaxGroup && g < group; ++g)
+    for (int c = 0; c < kChunks; ++c)
+      _mm512_storeu_ps(acc + g * kHeadDim + c * 16,
+                       _mm512_sub_ps(sum[g][c], _mm512_set1_ps(8.f * weights[g][c / 2])));
 }
 #endif
 #endif
@@ -185,8 +406,8 @@ void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const std::
 // walks the context on its own; rows after the first find the task's keys and values in L1/L2 (a task's
 // context is tens of KB), and the first asks for rows kPrefetchDistance tokens ahead.
 template <typename scalar_t, int kHeadDim>
-void scores_avx2(const float* qf, const scalar_t* k_cache, const std::vector<int64_t>& offsets, int64_t group,
-                 float* scores) {
+void scores_avx2(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache,
+                 const std::vector<int64_t>& offsets, int64_t group, float* scores) {
   using simd::Simd;
   constexpr int kChunks = kHeadDim / Simd::kLanes;
   static_assert(kChunks % 2 == 0, "two accumulators per dot product");
@@ -196,7 +417,10 @@ void scores_avx2(const float* qf, const scalar_t* k_cache, const std::vector<int
     for (int c = 0; c < kChunks; ++c) qv[c] = Simd::load(qf + g * kHeadDim + c * Simd::kLanes);
     float* row_scores = scores + g * num_tokens;
     for (int64_t t = 0; t < num_tokens; ++t) {
-      if (g == 0 && t + kPrefetchDistance < num_tokens) prefetch_row(k_cache + offsets[t + kPrefetchDistance], kHeadDim);
+      if (g == 0 && t + kPrefetchDistance < num_tokens) {
+        prefetch_row(k_cache + offsets[t + kPrefetchDistance], kHeadDim);
+        prefetch_row(v_cache + offsets[t + kPrefetchDistance], kHeadDim);
+      }
       const scalar_t* key = k_cache + offsets[t];
       Simd::V even = Simd::zero(), odd = Simd::zero();
       for (int c = 0; c < kChunks; c += 2) {
@@ -275,16 +499,25 @@ void exp_rows(float* scores, int64_t group, int64_t num_tokens, float* row_max, 
   }
 }
 
+// An int8 cache's per-row scale bytes (kv_dequant.h), one per (slot, KV head), for K and for V; both null for
+// a 16-bit or fp32 cache. The kernels read the int8 codes as the cache's elements and apply these once per
+// token: the keys' to the scores, the values' to the probabilities.
+struct RowScales {
+  const uint8_t* keys = nullptr;
+  const uint8_t* values = nullptr;
+};
+
 // One KV head's GQA group over context tokens [first_token, end_token): writes the partial result
 // [group x head_dim unnormalised sums | group row maxima | group row sums] (see merge_partials).
 // kHeadDim > 0 fixes the head size at compile time so the inner loops unroll into whole SIMD registers;
 // 0 takes it from `runtime_head_dim`.
-// q_t is the query's dtype, scalar_t the cache's: an fp32 model may keep a 16-bit cache (half the bytes).
+// q_t is the query's dtype, scalar_t the cache's: an fp32 model may keep a 16-bit cache (half the bytes), and
+// an int8 cache is read as its codes (scalar_t = int8_t) with `row_scales`.
 template <typename q_t, typename scalar_t, int kHeadDim>
 void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                  int64_t end_token, int64_t first_token, int64_t block_size, int64_t num_kv_heads,
-                 int64_t kv_head, int64_t group, int64_t runtime_head_dim, float scale, float* partial,
-                 std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& row,
+                 int64_t kv_head, int64_t group, int64_t runtime_head_dim, float scale, RowScales row_scales,
+                 float* partial, std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& row,
                  std::vector<int64_t>& offsets) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t num_tokens = end_token - first_token;
@@ -310,55 +543,119 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
       for (int64_t pos = begin; pos < end; ++pos) visit(pos - first_token, base + pos * token_stride);
     }
   };
+  // Scores -> unnormalised probabilities, an int8 cache's row scales applied around the exponentials: the
+  // keys' to the scores, the values' to the probabilities (after the row sums, which they do not enter). A row's
+  // offset in elements over head_dim is its (slot, KV head) index. The scales are decoded into `row` first, so
+  // the products are whole-vector loops.
+  auto softmax = [&] {
+    float* key_scales = nullptr;
+    float* value_scales = nullptr;
+    if (row_scales.keys) {
+      row.resize(std::max(head_dim, 2 * num_tokens));
+      key_scales = row.data();
+      value_scales = key_scales + num_tokens;
+      for_each_token([&](int64_t t, int64_t offset) {
+        key_scales[t] = kvq::byte_scale(row_scales.keys[offset / head_dim]);
+        value_scales[t] = kvq::byte_scale(row_scales.values[offset / head_dim]);
+      });
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t t = 0; t < num_tokens; ++t) scores[g * num_tokens + t] *= key_scales[t];
+    }
+    exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
+    if (value_scales)
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t t = 0; t < num_tokens; ++t) scores[g * num_tokens + t] *= value_scales[t];
+  };
 #if defined(KVSERVE_SIMD) && !defined(__AVX512F__)
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0 && !std::is_same_v<scalar_t, double>) {
     offsets.clear();
     for_each_token([&](int64_t, int64_t offset) { offsets.push_back(offset); });
-    scores_avx2<scalar_t, kHeadDim>(qf.data(), k_cache, offsets, group, scores.data());
-    exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
+    scores_avx2<scalar_t, kHeadDim>(qf.data(), k_cache, v_cache, offsets, group, scores.data());
+    softmax();
     return values_avx2<scalar_t, kHeadDim>(v_cache, offsets, scores.data(), group, acc);
   }
 #endif
-  bool in_registers = false;
 #if defined(__AVX512F__)
-  constexpr bool kVectorised = RegisterPlan<kHeadDim>::kMaxGroup > 0 && !std::is_same_v<scalar_t, double>;
-  if constexpr (kVectorised) in_registers = group <= RegisterPlan<kHeadDim>::kMaxGroup;
+  // Passes that keep query rows' accumulators in registers take the group kMaxGroup rows at a time.
+  constexpr int kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
+  constexpr bool kVectorised = kMaxGroup > 0 && !std::is_same_v<scalar_t, double>;
+#else
+  constexpr bool kVectorised = false;
 #endif
-  if (in_registers) {
+  if constexpr (kVectorised) {
 #if defined(__AVX512F__)
-    if constexpr (kVectorised) {
+    {
       offsets.clear();
       for_each_token([&](int64_t, int64_t offset) { offsets.push_back(offset); });
+      constexpr bool kBf16Query = std::is_same_v<q_t, at::BFloat16>;
       constexpr bool kBf16Scores =
 #if defined(__AVX512BF16__)
-          std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<q_t, at::BFloat16> && kHeadDim % 32 == 0;
+          std::is_same_v<scalar_t, at::BFloat16> && kBf16Query && kHeadDim % 32 == 0;
+#else
+          false;
+#endif
+      constexpr bool kVnniScores =
+#if defined(__AVX512VNNI__)
+          std::is_same_v<scalar_t, int8_t> && kBf16Query && kHeadDim % 64 == 0;
 #else
           false;
 #endif
       if constexpr (kBf16Scores) {
-        scores_bf16<kHeadDim>(q, k_cache, offsets, group, scale, scores.data());
+        scores_bf16<kHeadDim>(q, k_cache, v_cache, offsets, group, scale, scores.data());
+      } else if constexpr (kVnniScores) {
+        scores_int8_vnni<kHeadDim>(qf.data(), k_cache, v_cache, offsets, group, scores.data());
       } else if constexpr (std::is_same_v<scalar_t, float>) {
-        scores_avx512_in_registers<scalar_t, kHeadDim>(qf.data(), k_cache, group, num_tokens, scores.data(),
-                                                       for_each_token);
+        for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup)
+          scores_avx512_in_registers<scalar_t, kHeadDim>(qf.data() + g0 * kHeadDim, k_cache,
+                                                         std::min<int64_t>(kMaxGroup, group - g0), num_tokens,
+                                                         scores.data() + g0 * num_tokens, for_each_token);
       } else {
-        scores_avx512<scalar_t, kHeadDim>(qf.data(), k_cache, offsets, group, scores.data());
+        scores_avx512<scalar_t, kHeadDim>(qf.data(), k_cache, v_cache, offsets, group, scores.data());
       }
-      exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
+      softmax();
       auto for_each_prefetched = [&](auto&& visit) {
         for (int64_t t = 0; t < num_tokens; ++t) {
           if (t + kPrefetchDistance < num_tokens) prefetch_row(v_cache + offsets[t + kPrefetchDistance], kHeadDim);
           visit(t, offsets[t]);
         }
       };
-      values_avx512<scalar_t, kHeadDim>(v_cache, scores.data(), group, num_tokens, acc, for_each_prefetched);
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup)
+        values_avx512<scalar_t, kHeadDim>(v_cache, scores.data() + g0 * num_tokens, std::min<int64_t>(kMaxGroup, group - g0),
+                                          num_tokens, acc + g0 * kHeadDim, for_each_prefetched);
     }
 #endif
   } else {
     scores_generic(qf.data(), k_cache, group, head_dim, num_tokens, scores.data(), row.data(), for_each_token);
-    exp_rows(scores.data(), group, num_tokens, row_max, row_sum);
+    softmax();
     values_generic(v_cache, scores.data(), group, head_dim, num_tokens, acc, row.data(), for_each_token);
   }
 }
+
+#if defined(__AVX512VNNI__)
+// decode_task over an int4 cache read in place (bf16 queries, head sizes 64 and 128): the same partial result.
+// The values pass takes the group's query rows kMaxGroup at a time (their accumulators in registers).
+template <int kHeadDim>
+void decode_task_int4(const at::BFloat16* q, const kvq::Source& keys, const kvq::Source& values, const int64_t* table,
+                      int64_t end_token, int64_t first_token, int64_t block_size, int64_t kv_head, int64_t group,
+                      float scale, float* partial, std::vector<float>& scores, std::vector<float>& qf,
+                      std::vector<int64_t>& rows) {
+  constexpr int kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
+  const int64_t num_tokens = end_token - first_token;
+  float* row_max = partial + group * kHeadDim;
+  scores.resize(group * num_tokens);
+  qf.resize(group * kHeadDim);
+  to_float(q, qf.data(), group * kHeadDim);
+  for (int64_t i = 0; i < group * kHeadDim; ++i) qf[i] *= scale;
+  rows.clear();
+  for (int64_t pos = first_token; pos < end_token; ++pos)
+    rows.push_back((table[pos / block_size] * block_size + pos % block_size) * keys.num_kv_heads + kv_head);
+  scores_int4_vnni<kHeadDim>(qf.data(), keys, values, rows, group, scores.data());
+  exp_rows(scores.data(), group, num_tokens, row_max, row_max + group);
+  for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup)
+    values_int4<kHeadDim>(values, rows, scores.data() + g0 * num_tokens, std::min<int64_t>(kMaxGroup, group - g0),
+                          partial + g0 * kHeadDim);
+}
+#endif
 
 // Softmax-weighted sums over a whole context from its parts' partial results (flash-decoding's reduction):
 // each part's sums and row sum are rescaled by e^(part max - overall max).
@@ -439,7 +736,7 @@ void run_parts(const PartPlan& plan, int64_t num_pairs, int64_t group, int64_t h
 
 template <typename q_t, typename cache_t>
 using DecodeTaskFn = void (*)(const q_t*, const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, int64_t, int64_t, float, float*, std::vector<float>&,
+                              int64_t, int64_t, int64_t, int64_t, float, RowScales, float*, std::vector<float>&,
                               std::vector<float>&, std::vector<float>&, std::vector<int64_t>&);
 
 template <typename q_t, typename cache_t>
@@ -456,6 +753,29 @@ void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& block_tabl
   TORCH_CHECK(q.size(1) % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
 }
 
+// Decode attention with every task reading the paged cache in place (a 16-bit or fp32 cache, or an int8 cache's
+// codes with its row scales). caches: [num_blocks, block_size, num_kv_heads, head_dim] elements of cache_t.
+template <typename q_t, typename cache_t>
+torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, const cache_t* v_cache,
+                              int64_t block_size, int64_t num_kv_heads, const torch::Tensor& block_tables,
+                              const torch::Tensor& context_lens, double scale, int64_t sliding_window,
+                              RowScales row_scales) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  auto out = torch::empty_like(q);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const q_t* q_ptr = q.data_ptr<q_t>();
+  const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0);
+  const auto task_fn = decode_task_for<q_t, cache_t>(head_dim);
+  run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<q_t>(),
+            [&](const Part& part, float* partial, auto& scores, auto& qf, auto& row, auto& offsets, auto&, auto&) {
+              task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_cache, v_cache,
+                      tables + part.seq * max_blocks, part.end, part.first, block_size, num_kv_heads, part.kv_head,
+                      group, head_dim, static_cast<float>(scale), row_scales, partial, scores, qf, row, offsets);
+            });
+  return out;
+}
+
 }  // namespace
 
 // q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -470,46 +790,34 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               (q.scalar_type() == torch::kFloat && (k_cache.scalar_type() == torch::kBFloat16 ||
                                                    k_cache.scalar_type() == torch::kHalf)),
               "the KV cache must be in the query's dtype, or bf16/fp16 under an fp32 query");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(q);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0);
-  auto run = [&](auto* q_ptr, const auto* k_ptr, const auto* v_ptr) {
-    using q_t = std::remove_pointer_t<decltype(q_ptr)>;
-    using cache_t = std::remove_const_t<std::remove_pointer_t<decltype(k_ptr)>>;
-    const auto task_fn = decode_task_for<q_t, cache_t>(head_dim);
-    run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<q_t>(),
-              [&](const Part& part, float* partial, auto& scores, auto& qf, auto& row, auto& offsets, auto&, auto&) {
-                task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_ptr, v_ptr,
-                        tables + part.seq * max_blocks, part.end, part.first, block_size, num_kv_heads, part.kv_head,
-                        group, head_dim, static_cast<float>(scale), partial, scores, qf, row, offsets);
-              });
+  auto run = [&](const auto* k_ptr, const auto* v_ptr, auto q_tag) {
+    using q_t = decltype(q_tag);
+    return decode_in_place<q_t>(q, k_ptr, v_ptr, block_size, num_kv_heads, block_tables, context_lens, scale,
+                                sliding_window, RowScales{});
   };
-  if (k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat) {
-    run(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
-  } else if (k_cache.scalar_type() == torch::kHalf && q.scalar_type() == torch::kFloat) {
-    run(q.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
-  } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-      run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
-    });
-  }
-  return out;
+  if (k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat)
+    return run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), float{});
+  if (k_cache.scalar_type() == torch::kHalf && q.scalar_type() == torch::kFloat)
+    return run(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), float{});
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    return run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), scalar_t{});
+  });
 }
 
 namespace {
 constexpr int64_t kMaxDequantPartTokens = 256;  // 256 x 128 dims x 4 B x (K + V) = 256 KB of scratch at most
 }
 
-// The same over a quantized cache (kv_dequant.h): each part's K and V rows are decoded once into contiguous fp32
-// scratch, which the fp32-cache task then reads as a one-block context (one KV head, identity table). The
-// cache's bytes are read once, fewer of them than a 16-bit cache's.
-// k_data/v_data: [num_blocks, block_size, num_kv_heads, data_dim] bytes; k_scales/v_scales: fp16 [..., groups]
-// (empty for fp8); k_tensor_scale/v_tensor_scale: fp8's per-layer scales; format: kvq::Format.
+// The same over a quantized cache (kv_dequant.h). int8 is read in place: its codes are the cache's elements and
+// its row scales apply once per token (decode_task). int4 is read in place under bf16 queries where VNNI is
+// (decode_task_int4). Otherwise (fp8; int4 elsewhere) each part's K and V rows are decoded once into contiguous
+// fp32 scratch, which the fp32-cache task then reads as a one-block context (one KV head, identity table).
+// Either way the cache's bytes are read once, fewer of them than a 16-bit cache's.
+// k_data/v_data: [num_blocks, block_size, num_kv_heads, data_dim] bytes; k_scales/v_scales: int8's scale bytes
+// or int4's fp16 [..., groups] (empty for fp8); k_tensor_scale/v_tensor_scale: fp8's per-layer scales; format:
+// kvq::Format.
 torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
                                                torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
                                                double v_tensor_scale, int64_t format, torch::Tensor block_tables,
@@ -519,10 +827,33 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
   check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
   const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim);
   const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim);
+  if (format == kvq::kInt8) {
+    const RowScales row_scales{static_cast<const uint8_t*>(keys.scales), static_cast<const uint8_t*>(values.scales)};
+    const auto* k_codes = reinterpret_cast<const int8_t*>(keys.data);
+    const auto* v_codes = reinterpret_cast<const int8_t*>(values.data);
+    return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_int8", [&] {
+      return decode_in_place<scalar_t>(q, k_codes, v_codes, block_size, num_kv_heads, block_tables, context_lens,
+                                       scale, sliding_window, row_scales);
+    });
+  }
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
+#if defined(__AVX512VNNI__)
+  if (format == kvq::kInt4 && q.scalar_type() == torch::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
+    const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0);
+    const auto task_fn = head_dim == 64 ? decode_task_int4<64> : decode_task_int4<128>;
+    const at::BFloat16* q_ptr = q.data_ptr<at::BFloat16>();
+    run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<at::BFloat16>(),
+              [&](const Part& part, float* partial, auto& scores, auto& qf, auto&, auto& rows, auto&, auto&) {
+                task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, keys, values,
+                        tables + part.seq * max_blocks, part.end, part.first, block_size, part.kv_head, group,
+                        static_cast<float>(scale), partial, scores, qf, rows);
+              });
+    return out;
+  }
+#endif
   const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window,
                                    kMaxDequantPartTokens);
   const int64_t one_block_table[1] = {0};
@@ -550,7 +881,7 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
                 }
                 task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_rows.data(), v_rows.data(),
                         one_block_table, num_tokens, 0, num_tokens, 1, 0, group, head_dim, static_cast<float>(scale),
-                        partial, scores, qf, row, offsets);
+                        RowScales{}, partial, scores, qf, row, offsets);
               });
   });
   return out;
