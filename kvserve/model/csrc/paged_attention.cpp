@@ -37,7 +37,7 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
 #if defined(KVSERVE_SIMD)
 // Asks for a cache row ahead of use: the context of a decode step is usually out of cache (30 layers of a
 // batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly.
-static const int64_t kPrefetchDistance = std::getenv("PFD") ? std::atoi(std::getenv("PFD")) : 64;  // tokens
+constexpr int64_t kPrefetchDistance = 64;  // tokens
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
   for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64)
