@@ -80,6 +80,9 @@ def test_pool_allocates_the_planners_bytes_per_block(tiny_model_dir, kv_dtype):
 def quantized_cache(kv_dtype, num_blocks, kv_heads, head_dim, generator, block_size=16):
     """A quantized cache filled with random K/V, and the same K/V decoded into an fp32 cache (the reference)."""
     cache = allocate_kv_storage(1, num_blocks, block_size, kv_heads, head_dim, torch.float32, "cpu", kv_dtype)[0]
+    if cache.key_tensor_scale is not None:  # fp8: scales other than 1, so the kernels must apply them
+        cache.key_tensor_scale.fill_(0.02)
+        cache.value_tensor_scale.fill_(0.01)
     slots = torch.arange(num_blocks * block_size)
     shape = (len(slots), kv_heads, head_dim)
     cache.write(slots, torch.randn(shape, generator=generator) * 2, torch.randn(shape, generator=generator))

@@ -2,9 +2,8 @@
 // format's definition; this is its decoder, and the two are tested against each other).
 //
 // A row is one (slot, KV head) vector of `head_dim` elements:
-//   fp8_e4m3 / fp8_e5m2: one byte per element, times the layer's tensor scale. Both are widened through fp16
-//     bits (e5m2 is the top byte of an fp16; e4m3's exponent and mantissa shift into an fp16 whose value is
-//     2^-8 of e4m3's, subnormals included), so the hardware's fp16 conversion does the work.
+//   fp8_e4m3 / fp8_e5m2: one byte per element, times the layer's tensor scale (widened as simd.h's element
+//     types, through fp16 bits, so the hardware's fp16 conversion does the work).
 //   int8: one signed byte per element times the row's scale byte: (e + 20) << 3 | m means 2^e x (1 + m/8).
 //   int4: two codes per byte (low nibble first), code - 8 times the fp16 scale of each group of 32 elements.
 #pragma once
@@ -23,18 +22,7 @@ namespace kvq {
 enum Format : int64_t { kFp8E4m3 = 1, kFp8E5m2 = 2, kInt8 = 3, kInt4 = 4 };
 constexpr int64_t kInt4Group = 32;
 
-inline float half_to_float(uint16_t bits) {
-#if defined(KVSERVE_SIMD)
-  return _cvtsh_ss(bits);  // F16C: one instruction
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
-
-inline uint16_t fp8_to_half_bits(uint8_t b, int64_t format) {
-  if (format == kFp8E5m2) return static_cast<uint16_t>(b) << 8;
-  return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7));
-}
+using simd::half_to_float;
 
 // An int8 row's scale byte as fp32: the byte's exponent and mantissa become fp32's.
 inline float byte_scale(uint32_t code) {
@@ -97,38 +85,21 @@ struct Source {
   }
 
   void decode_fp8(const uint8_t* row, float* dst) const {
-    // e4m3 through fp16 comes out 2^-8 too small: fold 256 into the scale.
-    const float scale = format == kFp8E4m3 ? tensor_scale * 256.f : tensor_scale;
-    int64_t d = 0;
-#if defined(__AVX512F__)
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (; d + 16 <= head_dim; d += 16) {
-      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
-      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(fp8_bits(bytes)), vscale));
-    }
-#elif defined(KVSERVE_SIMD)
-    const __m256 vscale = _mm256_set1_ps(scale);
-    for (; d + 8 <= head_dim; d += 8) {
-      const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
-      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(fp8_bits(bytes)), vscale));
-    }
-#endif
-    for (; d < head_dim; ++d) dst[d] = half_to_float(fp8_to_half_bits(row[d], format)) * scale;
+    if (format == kFp8E4m3) return decode_fp8_as(reinterpret_cast<const simd::Fp8E4m3*>(row), dst);
+    decode_fp8_as(reinterpret_cast<const simd::Fp8E5m2*>(row), dst);
   }
 
-#if defined(__AVX512F__)
-  __m256i fp8_bits(__m256i b) const {  // 16-bit lanes holding one fp8 byte each -> fp16 bits
-    if (format == kFp8E5m2) return _mm256_slli_epi16(b, 8);
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-    return _mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
-  }
-#elif defined(KVSERVE_SIMD)
-  __m128i fp8_bits(__m128i b) const {
-    if (format == kFp8E5m2) return _mm_slli_epi16(b, 8);
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-    return _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
-  }
+  template <typename fp8_t>
+  void decode_fp8_as(const fp8_t* row, float* dst) const {
+    const float scale = tensor_scale * fp8_t::kWideningFactor;
+    int64_t d = 0;
+#if defined(KVSERVE_SIMD)
+    using simd::Simd;
+    const Simd::V vscale = Simd::set1(scale);
+    for (; d + Simd::kLanes <= head_dim; d += Simd::kLanes) Simd::store(dst + d, Simd::mul(Simd::load(row + d), vscale));
 #endif
+    for (; d < head_dim; ++d) dst[d] = simd::to_float(row[d]) * scale;
+  }
 
   void decode_int4(const uint8_t* row, const uint16_t* scales, float* dst) const {
     int64_t d = 0;

@@ -34,6 +34,17 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
+using simd::Fp8E4m3;
+using simd::Fp8E5m2;
+template <>
+inline void to_float<Fp8E4m3>(const Fp8E4m3* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = simd::to_float(src[i]);
+}
+template <>
+inline void to_float<Fp8E5m2>(const Fp8E5m2* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = simd::to_float(src[i]);
+}
+
 #if defined(KVSERVE_SIMD)
 // Asks for a cache row ahead of use: the context of a decode step is usually out of cache (30 layers of a
 // batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly.
@@ -156,6 +167,35 @@ void scores_avx512(const float* qf, const scalar_t* k_cache, const scalar_t* v_c
     for (int c = 0; c < kChunks; ++c) row.qv[c] = _mm512_loadu_ps(qf + g * kHeadDim + c * 16);
     return row;
   });
+}
+
+// fp32 scores over rows whose widening costs more than a product (fp8: six instructions a vector): each 16-key
+// tile is widened once into fp32 on the stack (L1) for all of the group's query rows, which then score it 16 keys
+// at a time, as scores_avx512 does from the cache. qf is scaled.
+template <typename scalar_t, int kHeadDim>
+void scores_widened_tiles(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache,
+                          const std::vector<int64_t>& offsets, int64_t group, float* scores) {
+  constexpr int kChunks = kHeadDim / 16;
+  const int64_t num_tokens = static_cast<int64_t>(offsets.size());
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, num_tokens - t0);
+    prefetch_ahead(k_cache, v_cache, offsets, t0, kHeadDim);
+    __m512 keys[16][kChunks];
+    for (int i = 0; i < 16; ++i)
+      for (int c = 0; c < kChunks; ++c)
+        keys[i][c] = Simd::load(k_cache + offsets[t0 + std::min<int64_t>(i, count - 1)] + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 qv[kChunks];
+      for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_ps(qf + g * kHeadDim + c * 16);
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        dots[i] = _mm512_mul_ps(qv[0], keys[i][0]);
+        for (int c = 1; c < kChunks; ++c) dots[i] = _mm512_fmadd_ps(qv[c], keys[i][c], dots[i]);
+      }
+      _mm512_mask_storeu_ps(scores + g * num_tokens + t0, static_cast<__mmask16>((1u << count) - 1),
+                            horizontal_sums16(dots));
+    }
+  }
 }
 
 template <typename scalar_t, int kHeadDim, typename ForEachToken>
@@ -499,12 +539,15 @@ void exp_rows(float* scores, int64_t group, int64_t num_tokens, float* row_max, 
   }
 }
 
-// An int8 cache's per-row scale bytes (kv_dequant.h), one per (slot, KV head), for K and for V; both null for
-// a 16-bit or fp32 cache. The kernels read the int8 codes as the cache's elements and apply these once per
-// token: the keys' to the scores, the values' to the probabilities.
-struct RowScales {
-  const uint8_t* keys = nullptr;
-  const uint8_t* values = nullptr;
+// What a quantized cache read in place scales its elements by, for the kernels to apply outside the inner
+// loops. int8: per-row scale bytes (kv_dequant.h), one per (slot, KV head), for K and for V, applied once per
+// token: the keys' to the scores, the values' to the probabilities. fp8: V's per-layer scale, applied to the
+// probabilities (K's is folded into the query's scale by the caller; both times simd.h's kWideningFactor). Null
+// and 1 for a 16-bit or fp32 cache.
+struct CacheScales {
+  const uint8_t* key_rows = nullptr;
+  const uint8_t* value_rows = nullptr;
+  float values = 1.f;
 };
 
 // One KV head's GQA group over context tokens [first_token, end_token): writes the partial result
@@ -512,11 +555,11 @@ struct RowScales {
 // kHeadDim > 0 fixes the head size at compile time so the inner loops unroll into whole SIMD registers;
 // 0 takes it from `runtime_head_dim`.
 // q_t is the query's dtype, scalar_t the cache's: an fp32 model may keep a 16-bit cache (half the bytes), and
-// an int8 cache is read as its codes (scalar_t = int8_t) with `row_scales`.
+// an int8 cache is read as its codes (scalar_t = int8_t) and an fp8 cache as its bytes, with `cache_scales`.
 template <typename q_t, typename scalar_t, int kHeadDim>
 void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                  int64_t end_token, int64_t first_token, int64_t block_size, int64_t num_kv_heads,
-                 int64_t kv_head, int64_t group, int64_t runtime_head_dim, float scale, RowScales row_scales,
+                 int64_t kv_head, int64_t group, int64_t runtime_head_dim, float scale, CacheScales cache_scales,
                  float* partial, std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& row,
                  std::vector<int64_t>& offsets) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
@@ -543,20 +586,19 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
       for (int64_t pos = begin; pos < end; ++pos) visit(pos - first_token, base + pos * token_stride);
     }
   };
-  // Scores -> unnormalised probabilities, an int8 cache's row scales applied around the exponentials: the
-  // keys' to the scores, the values' to the probabilities (after the row sums, which they do not enter). A row's
-  // offset in elements over head_dim is its (slot, KV head) index. The scales are decoded into `row` first, so
+  // Scores -> unnormalised probabilities, a quantized cache's scales applied around the exponentials: the keys'
+  // to the scores, the values' to the probabilities (after the row sums, which they do not enter). A row's
+  // offset in elements over head_dim is its (slot, KV head) index. Row scales are decoded into `row` first, so
   // the products are whole-vector loops.
   auto softmax = [&] {
-    float* key_scales = nullptr;
     float* value_scales = nullptr;
-    if (row_scales.keys) {
+    if (cache_scales.key_rows) {
       row.resize(std::max(head_dim, 2 * num_tokens));
-      key_scales = row.data();
+      float* key_scales = row.data();
       value_scales = key_scales + num_tokens;
       for_each_token([&](int64_t t, int64_t offset) {
-        key_scales[t] = kvq::byte_scale(row_scales.keys[offset / head_dim]);
-        value_scales[t] = kvq::byte_scale(row_scales.values[offset / head_dim]);
+        key_scales[t] = kvq::byte_scale(cache_scales.key_rows[offset / head_dim]);
+        value_scales[t] = kvq::byte_scale(cache_scales.value_rows[offset / head_dim]);
       });
       for (int64_t g = 0; g < group; ++g)
         for (int64_t t = 0; t < num_tokens; ++t) scores[g * num_tokens + t] *= key_scales[t];
@@ -565,6 +607,8 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     if (value_scales)
       for (int64_t g = 0; g < group; ++g)
         for (int64_t t = 0; t < num_tokens; ++t) scores[g * num_tokens + t] *= value_scales[t];
+    if (cache_scales.values != 1.f)
+      for (int64_t i = 0; i < group * num_tokens; ++i) scores[i] *= cache_scales.values;
   };
 #if defined(KVSERVE_SIMD) && !defined(__AVX512F__)
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0 && !std::is_same_v<scalar_t, double>) {
@@ -604,6 +648,8 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
         scores_bf16<kHeadDim>(q, k_cache, v_cache, offsets, group, scale, scores.data());
       } else if constexpr (kVnniScores) {
         scores_int8_vnni<kHeadDim>(qf.data(), k_cache, v_cache, offsets, group, scores.data());
+      } else if constexpr (std::is_same_v<scalar_t, Fp8E4m3> || std::is_same_v<scalar_t, Fp8E5m2>) {
+        scores_widened_tiles<scalar_t, kHeadDim>(qf.data(), k_cache, v_cache, offsets, group, scores.data());
       } else if constexpr (std::is_same_v<scalar_t, float>) {
         for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup)
           scores_avx512_in_registers<scalar_t, kHeadDim>(qf.data() + g0 * kHeadDim, k_cache,
@@ -736,7 +782,7 @@ void run_parts(const PartPlan& plan, int64_t num_pairs, int64_t group, int64_t h
 
 template <typename q_t, typename cache_t>
 using DecodeTaskFn = void (*)(const q_t*, const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, int64_t, int64_t, float, RowScales, float*, std::vector<float>&,
+                              int64_t, int64_t, int64_t, int64_t, float, CacheScales, float*, std::vector<float>&,
                               std::vector<float>&, std::vector<float>&, std::vector<int64_t>&);
 
 template <typename q_t, typename cache_t>
@@ -759,7 +805,7 @@ template <typename q_t, typename cache_t>
 torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, const cache_t* v_cache,
                               int64_t block_size, int64_t num_kv_heads, const torch::Tensor& block_tables,
                               const torch::Tensor& context_lens, double scale, int64_t sliding_window,
-                              RowScales row_scales) {
+                              CacheScales cache_scales) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
@@ -771,7 +817,7 @@ torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, co
             [&](const Part& part, float* partial, auto& scores, auto& qf, auto& row, auto& offsets, auto&, auto&) {
               task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_cache, v_cache,
                       tables + part.seq * max_blocks, part.end, part.first, block_size, num_kv_heads, part.kv_head,
-                      group, head_dim, static_cast<float>(scale), row_scales, partial, scores, qf, row, offsets);
+                      group, head_dim, static_cast<float>(scale), cache_scales, partial, scores, qf, row, offsets);
             });
   return out;
 }
@@ -795,7 +841,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto run = [&](const auto* k_ptr, const auto* v_ptr, auto q_tag) {
     using q_t = decltype(q_tag);
     return decode_in_place<q_t>(q, k_ptr, v_ptr, block_size, num_kv_heads, block_tables, context_lens, scale,
-                                sliding_window, RowScales{});
+                                sliding_window, CacheScales{});
   };
   if (k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat)
     return run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), float{});
@@ -810,10 +856,10 @@ namespace {
 constexpr int64_t kMaxDequantPartTokens = 256;  // 256 x 128 dims x 4 B x (K + V) = 256 KB of scratch at most
 }
 
-// The same over a quantized cache (kv_dequant.h). int8 is read in place: its codes are the cache's elements and
-// its row scales apply once per token (decode_task). int4 is read in place under bf16 queries where VNNI is
-// (decode_task_int4). Otherwise (fp8; int4 elsewhere) each part's K and V rows are decoded once into contiguous
-// fp32 scratch, which the fp32-cache task then reads as a one-block context (one KV head, identity table).
+// The same over a quantized cache (kv_dequant.h). int8 and fp8 are read in place: their bytes are the cache's
+// elements, int8's row scales apply once per token and fp8's tensor scales once per task (decode_task). int4 is
+// read in place under bf16 queries where VNNI is (decode_task_int4). Otherwise (int4 elsewhere) each part's K and
+// V rows are decoded once into contiguous fp32 scratch, which the fp32-cache task then reads as a one-block context (one KV head, identity table).
 // Either way the cache's bytes are read once, fewer of them than a 16-bit cache's.
 // k_data/v_data: [num_blocks, block_size, num_kv_heads, data_dim] bytes; k_scales/v_scales: int8's scale bytes
 // or int4's fp16 [..., groups] (empty for fp8); k_tensor_scale/v_tensor_scale: fp8's per-layer scales; format:
@@ -827,15 +873,24 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
   check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
   const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim);
   const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim);
-  if (format == kvq::kInt8) {
-    const RowScales row_scales{static_cast<const uint8_t*>(keys.scales), static_cast<const uint8_t*>(values.scales)};
-    const auto* k_codes = reinterpret_cast<const int8_t*>(keys.data);
-    const auto* v_codes = reinterpret_cast<const int8_t*>(values.data);
-    return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_int8", [&] {
-      return decode_in_place<scalar_t>(q, k_codes, v_codes, block_size, num_kv_heads, block_tables, context_lens,
-                                       scale, sliding_window, row_scales);
+  // int8 and fp8 are read in place: their bytes are the cache's elements, their scales applied outside.
+  auto in_place = [&](const auto* k_elements, const auto* v_elements, double query_scale, CacheScales cache_scales) {
+    return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_in_place", [&] {
+      return decode_in_place<scalar_t>(q, k_elements, v_elements, block_size, num_kv_heads, block_tables,
+                                       context_lens, query_scale, sliding_window, cache_scales);
     });
-  }
+  };
+  if (format == kvq::kInt8)
+    return in_place(reinterpret_cast<const int8_t*>(keys.data), reinterpret_cast<const int8_t*>(values.data), scale,
+                    CacheScales{static_cast<const uint8_t*>(keys.scales), static_cast<const uint8_t*>(values.scales)});
+  auto fp8_in_place = [&](auto element) {
+    using fp8_t = decltype(element);
+    const float factor = fp8_t::kWideningFactor;  // what the kernels' loads leave out, folded into the scales
+    return in_place(reinterpret_cast<const fp8_t*>(keys.data), reinterpret_cast<const fp8_t*>(values.data),
+                    scale * keys.tensor_scale * factor, CacheScales{nullptr, nullptr, values.tensor_scale * factor});
+  };
+  if (format == kvq::kFp8E4m3) return fp8_in_place(Fp8E4m3{});
+  if (format == kvq::kFp8E5m2) return fp8_in_place(Fp8E5m2{});
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
@@ -881,7 +936,7 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
                 }
                 task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_rows.data(), v_rows.data(),
                         one_block_table, num_tokens, 0, num_tokens, 1, 0, group, head_dim, static_cast<float>(scale),
-                        RowScales{}, partial, scores, qf, row, offsets);
+                        CacheScales{}, partial, scores, qf, row, offsets);
               });
   });
   return out;

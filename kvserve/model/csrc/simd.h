@@ -5,8 +5,25 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
+
+namespace simd {
+// An fp8 cache's bytes as element types, so a kernel written over its cache's element type reads fp8 in place
+// (Simd::load and to_float below widen them). Both go through fp16 bits: e5m2 is the top byte of an fp16, and
+// e4m3's exponent and mantissa shift into an fp16 whose value is 2^-8 of e4m3's, subnormals included. That
+// 2^-8 is left in (a multiply a vector saved in kernels that convert every element they read): callers fold
+// kWideningFactor into the scales they apply anyway.
+struct Fp8E4m3 {
+  uint8_t bits;
+  static constexpr float kWideningFactor = 256.f;  // value = widened x this
+};
+struct Fp8E5m2 {
+  uint8_t bits;
+  static constexpr float kWideningFactor = 1.f;
+};
+}  // namespace simd
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #define KVSERVE_SIMD 1
@@ -30,6 +47,11 @@ struct Simd {
   static V load(const int8_t* p) {  // an int8 cache's codes (its scales are applied per row, outside)
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  static V load(const Fp8E5m2* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(load_bytes(p), 8)); }
+  static V load(const Fp8E4m3* p) {  // sign-extended << 7: the sign in bits 15 and 14, then bit 14 cleared
+    const __m256i bits = _mm256_slli_epi16(load_bytes(p), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(bits, _mm256_set1_epi16(0xBFFF)));
+  }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
@@ -42,6 +64,11 @@ struct Simd {
   static V scale_by_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
   static V keep_where_greater(V x, V v, V threshold) {  // x where v > threshold, else 0
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, threshold, _CMP_GT_OQ), x);
+  }
+
+ private:
+  static __m256i load_bytes(const void* p) {  // 16 bytes, sign-extended into 16-bit lanes
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 };
 #else
@@ -59,6 +86,10 @@ struct Simd {
   static V load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static V load(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load(const Fp8E5m2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(load_bytes(p), 8)); }
+  static V load(const Fp8E4m3* p) {
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(load_bytes(p), 7), _mm_set1_epi16(0xBFFF)));
   }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
@@ -82,6 +113,11 @@ struct Simd {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
   }
   static V keep_where_greater(V x, V v, V threshold) { return _mm256_and_ps(x, _mm256_cmp_ps(v, threshold, _CMP_GT_OQ)); }
+
+ private:
+  static __m128i load_bytes(const void* p) {  // 8 bytes, sign-extended into 16-bit lanes
+    return _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
 };
 #endif
 
@@ -105,3 +141,18 @@ inline Simd::V exp_nonpositive(Simd::V x) {
 }  // namespace simd
 
 #endif
+
+namespace simd {
+inline float half_to_float(uint16_t bits) {
+#if defined(KVSERVE_SIMD)
+  return _cvtsh_ss(bits);  // F16C: one instruction
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+inline float to_float(Fp8E5m2 x) { return half_to_float(static_cast<uint16_t>(x.bits << 8)); }
+inline float to_float(Fp8E4m3 x) {  // 2^-8 of the value, as Simd::load
+  return half_to_float(static_cast<uint16_t>(((x.bits & 0x80) << 8) | ((x.bits & 0x7f) << 7)));
+}
+}  // namespace simd
