@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # Each backend's pool holds its share of the live sessions (8 x ~1,700 tokens at the last turn, 23,040 B a
     # token on the demo model), as a deployment sized for its sessions would: not every session on every backend.
     parser.add_argument("--kv-cache-memory", type=float, default=0.29, help="GiB of KV pool per backend")
+    # Three backends share this machine's cores where a deployment gives each its own. With torch's default (a
+    # thread per core) each backend's OpenMP regions wait at every barrier for a thread another backend's process
+    # holds: steps stretch by scheduler time slices, and every backend's TTFT with them, whatever the routing.
+    parser.add_argument("--backend-threads", type=int, default=1,
+                        help="torch threads per backend (OMP_NUM_THREADS); 0: torch's default, one per core each")
     parser.add_argument("--overhead-requests", type=int, default=200)
     parser.add_argument("--overhead-streams", type=int, default=20)
     parser.add_argument("--overhead-repeats", type=int, default=1,
@@ -87,8 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def backend_spec(kv_cache_memory: float) -> ServerSpec:
-    command = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
+def backend_spec(kv_cache_memory: float, threads: int) -> ServerSpec:
+    threads_env = ["env", f"OMP_NUM_THREADS={threads}"] if threads > 0 else []
+    command = [*threads_env, sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
                "--max-model-len", "4096", "--kv-cache-memory", str(kv_cache_memory), "--disable-log-stats"]
     return ServerSpec("backend", "kvserve serve", command, "kvserve serve")
 
@@ -454,7 +460,8 @@ def report_routing(session: dict, round_robin: dict, store: str, args: argparse.
 
     print(f"\n{args.num_backends} backends (demo model), state in {store}; {args.num_sessions} sessions x "
           f"{args.num_turns} turns, system {args.system_prompt_len} + user {args.user_len} tokens a turn, "
-          f"{args.output_len} out, {args.max_concurrency} sessions at once, think time {args.think_time:g} s")
+          f"{args.output_len} out, {args.max_concurrency} sessions at once, think time {args.think_time:g} s, "
+          f"{args.backend_threads or 'default'} torch thread(s) per backend")
     print(f"{'':28}{'session routing':>18}{'round robin':>14}{'ratio':>9}")
     print(f"{'prefix-cache hit rate':28}{session['hit_rate']:>17.1%}{round_robin['hit_rate']:>14.1%}"
           f"{session['hit_rate'] / max(round_robin['hit_rate'], 1e-9):>8.2f}x")
@@ -502,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvserve-gateway-bench-") as temp, contextlib.ExitStack() as stack:
         work = Path(args.log_dir or temp)
         print(f"starting {args.num_backends} backends (logs in {work}) ...", flush=True)
-        backends = [stack.enter_context(ServerProcess(backend_spec(args.kv_cache_memory), work / f"backend{i}.log"))
+        backends = [stack.enter_context(ServerProcess(backend_spec(args.kv_cache_memory, args.backend_threads), work / f"backend{i}.log"))
                     for i in range(args.num_backends)]
         model = httpx.get(f"{backends[0].url}/v1/models", timeout=10).json()["data"][0]["id"]
         store_flags, store = stack.enter_context(state_store(work, 4 if args.skewed else 2))
