@@ -207,16 +207,30 @@ def test_eval_kv_reports_each_dtype_as_json(tiny_model_dir, tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"word{i % 37} and more words {i}" for i in range(200)))
     status = kvserve_main(["eval-kv", "--model", str(folder), "--dtype", "float32", "--text-file", str(text),
-                           "--num-tokens", "150", "--kv-cache-dtypes", "int8,int4", "--json", "--max-model-len", "256"])
+                           "--num-tokens", "150", "--kv-cache-dtypes", "auto,int8,int4", "--json", "--max-model-len",
+                           "256", "--greedy-prompts", "3", "--greedy-prompt-len", "40", "--greedy-tokens", "12"])
     assert status == 0
     result = json.loads(capsys.readouterr().out)
     rows = {row["kv_cache_dtype"]: row for row in result["results"]}
-    assert set(rows) == {"int8", "int4"} and result["num_tokens"] == 150
+    assert set(rows) == {"auto", "int8", "int4"} and result["num_tokens"] == 150
+    assert result["greedy"] == {"prompts": 3, "prompt_len": 40, "tokens": 12}
     for row in rows.values():
         assert row["num_tokens"] == 149 and math.isfinite(row["perplexity"]) and row["mean_kld"] >= 0
+        assert 0 <= row["greedy_agreement"] <= 1
+    # The reference's own dtype, computed again the same way, is the reference: every continuation token identical.
+    assert rows["auto"]["perplexity_increase"] == 0 and rows["auto"]["greedy_agreement"] == 1
     # int8 is closer to the model's precision than int4, by every measure.
     assert rows["int8"]["mean_kld"] < rows["int4"]["mean_kld"]
     assert rows["int8"]["top1_agreement"] >= rows["int4"]["top1_agreement"]
+
+
+def test_greedy_agreement_counts_tokens_up_to_the_first_difference():
+    from kvserve.engine.kv_eval import greedy_agreement, greedy_prompts
+
+    assert greedy_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == 4 / 6  # the 4 after the 9 is not counted
+    assert greedy_agreement([[1, 2]], [[7, 2]]) == 0
+    assert greedy_prompts(list(range(100)), 4, 10) == [list(range(s, s + 10)) for s in (0, 25, 50, 75)]
+    assert greedy_prompts(list(range(8)), 4, 10) == [list(range(8))]  # a short text gives what it has
 
 
 def test_eval_kv_rejects_a_missing_text_file_in_one_line(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""`kvserve eval-kv`: each --kv-cache-dtype's perplexity, KL divergence and top-1 agreement against the model's own
-precision (kv_eval.py), on the demo model by default, as a table or --json."""
+"""`kvserve eval-kv`: each --kv-cache-dtype's perplexity, KL divergence, top-1 and greedy agreement against the
+model's own precision (kv_eval.py), on the demo model by default, as a table or --json."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import copy
 import json
 import logging
 import sys
+from dataclasses import dataclass
 
 from kvserve.engine.cli import fails_in_one_line
 
@@ -23,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-file", default=None,
                         help="the text to score (default: Python's own documentation, the stdlib's docstrings)")
     parser.add_argument("--num-tokens", type=int, default=2048, help="tokens of the text to score (default 2048)")
+    parser.add_argument("--greedy-prompts", type=int, default=8,
+                        help="prompts cut from the text and continued greedily under each dtype (default 8; 0: none)")
+    parser.add_argument("--greedy-prompt-len", type=int, default=128, help="tokens per greedy prompt (default 128)")
+    parser.add_argument("--greedy-tokens", type=int, default=64, help="tokens each continuation runs (default 64)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_engine_arguments(parser)
     parser.set_defaults(enable_prefix_caching=False)  # every dtype computes the whole text itself
@@ -30,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @fails_in_one_line("eval-kv")
 def run(args: argparse.Namespace) -> int:
-    from kvserve.engine.kv_eval import compare
+    from kvserve.engine.kv_eval import compare, greedy_agreement
     from kvserve.engine.startup import EngineStartError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -39,21 +44,30 @@ def run(args: argparse.Namespace) -> int:
         raise EngineStartError("--kv-cache-dtypes is empty", usage=True)
     if args.num_tokens < 2:
         raise EngineStartError(f"--num-tokens must be at least 2, got {args.num_tokens}", usage=True)
+    if args.greedy_prompts < 0 or min(args.greedy_prompt_len, args.greedy_tokens) < 1:
+        raise EngineStartError("--greedy-prompts must be 0 or more, --greedy-prompt-len and --greedy-tokens 1 or more",
+                               usage=True)
     text = _read_text(args.text_file)
     reference_name = args.kv_cache_dtype
-    reference, num_tokens, model_name = score_text(args, reference_name, text)
+    reference = evaluate(args, reference_name, text)
     rows = []
     for name in candidates:
-        scored, _, _ = score_text(args, name, text)
-        rows.append(compare(name, reference, scored))
+        scored = evaluate(args, name, text)
+        row = compare(name, reference.prompt_logprobs, scored.prompt_logprobs)
+        if reference.continuations:
+            row.greedy_agreement = greedy_agreement(reference.continuations, scored.continuations)
+        rows.append(row)
         if not args.json:
             print(f"  scored {name}", file=sys.stderr)
     reference_ppl = rows[0].perplexity / (1 + rows[0].perplexity_increase)
     if args.json:
-        print(json.dumps({"model": model_name, "reference_kv_cache_dtype": reference_name, "num_tokens": num_tokens,
-                          "reference_perplexity": reference_ppl, "results": [row.as_dict() for row in rows]}, indent=2))
+        print(json.dumps({"model": reference.model_name, "reference_kv_cache_dtype": reference_name,
+                          "num_tokens": reference.num_tokens, "reference_perplexity": reference_ppl,
+                          "greedy": {"prompts": len(reference.continuations), "prompt_len": args.greedy_prompt_len,
+                                     "tokens": args.greedy_tokens},
+                          "results": [row.as_dict() for row in rows]}, indent=2))
     else:
-        _print_table(model_name, reference_name, num_tokens, reference_ppl, rows)
+        _print_table(reference, reference_name, reference_ppl, rows, args.greedy_tokens)
     return 0
 
 
@@ -70,9 +84,18 @@ def _read_text(path: str | None) -> str:
         raise EngineStartError(f"--text-file {path}: {exc.strerror or exc}", usage=True) from None
 
 
-def score_text(args: argparse.Namespace, kv_cache_dtype: str, text: str):
-    """The text's prompt logprobs (top-20 per position) under one KV dtype, from a fresh engine."""
-    from kvserve.engine.kv_eval import TOP_LOGPROBS
+@dataclass(slots=True)
+class Evaluated:
+    """What one KV dtype produced: the text's prompt logprobs and the greedy continuations of prompts cut from it."""
+    prompt_logprobs: list
+    continuations: list[list[int]]
+    num_tokens: int
+    model_name: str
+
+
+def evaluate(args: argparse.Namespace, kv_cache_dtype: str, text: str) -> Evaluated:
+    """The text's prompt logprobs (top-20 per position) and the greedy continuations, from a fresh engine."""
+    from kvserve.engine.kv_eval import TOP_LOGPROBS, greedy_prompts
     from kvserve.engine.llm import LLM
     from kvserve.engine.sampling_params import SamplingParams
     from kvserve.engine.startup import engine_config_from_flags, start_engine
@@ -83,19 +106,31 @@ def score_text(args: argparse.Namespace, kv_cache_dtype: str, text: str):
     limit = min(args.num_tokens, llm.engine.max_model_len - 1)
     token_ids = llm.get_tokenizer().encode(text)[:limit]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP_LOGPROBS)
-    output = llm.generate([token_ids], params, use_tqdm=False)[0]
-    return output.prompt_logprobs[1:], len(token_ids), llm.engine.loaded.name
+    scored = llm.generate([token_ids], params, use_tqdm=False)[0].prompt_logprobs[1:]
+    continuations: list[list[int]] = []
+    if args.greedy_prompts:
+        prompt_len = min(args.greedy_prompt_len, llm.engine.max_model_len - args.greedy_tokens)
+        prompts = greedy_prompts(token_ids, args.greedy_prompts, max(1, prompt_len))
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.greedy_tokens, ignore_eos=True)
+        continuations = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    return Evaluated(scored, continuations, len(token_ids), llm.engine.loaded.name)
 
 
-def _print_table(model: str, reference: str, num_tokens: int, reference_ppl: float, rows) -> None:
+def _print_table(reference: Evaluated, reference_name: str, reference_ppl: float, rows, greedy_tokens: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"KV cache dtypes on {model}: {num_tokens} tokens, against --kv-cache-dtype {reference} "
-                        f"(perplexity {reference_ppl:.4f})")
-    for column in ("KV dtype", "perplexity", "increase", "mean KLD (top-20)", "top-1 agreement"):
+    table = Table(title=f"KV cache dtypes on {reference.model_name}: {reference.num_tokens} tokens, against "
+                        f"--kv-cache-dtype {reference_name} (perplexity {reference_ppl:.4f})")
+    columns = ["KV dtype", "perplexity", "increase", "mean KLD (top-20)", "top-1 agreement"]
+    if reference.continuations:
+        columns.append(f"greedy identical ({len(reference.continuations)} x {greedy_tokens} tokens)")
+    for column in columns:
         table.add_column(column, justify="left" if column == "KV dtype" else "right")
     for row in rows:
-        table.add_row(row.kv_cache_dtype, f"{row.perplexity:.4f}", f"{row.perplexity_increase * 100:+.2f}%",
-                      f"{row.mean_kld:.5f}", f"{row.top1_agreement * 100:.2f}%")
+        cells = [row.kv_cache_dtype, f"{row.perplexity:.4f}", f"{row.perplexity_increase * 100:+.2f}%",
+                 f"{row.mean_kld:.5f}", f"{row.top1_agreement * 100:.2f}%"]
+        if row.greedy_agreement is not None:
+            cells.append(f"{row.greedy_agreement * 100:.1f}%")
+        table.add_row(*cells)
     Console().print(table)

@@ -6,6 +6,10 @@ KL divergence needs both distributions at every position; prompt_logprobs carrie
 divergence is computed over the reference's top-20 tokens plus one bucket for the rest of the vocabulary (a
 coarse-graining of the two distributions, hence a lower bound of the full-vocabulary KL). A reference token
 missing from the candidate's top-20 gets the candidate's 20th logprob, the most it can have.
+
+Greedy agreement is what a user sees: prompts cut from the same text are continued greedily under each KV dtype,
+and each continuation counts the tokens it shares with the reference's before the first that differs (after
+that the two condition on different text, so later matches say nothing).
 """
 
 from __future__ import annotations
@@ -55,11 +59,12 @@ class KVAccuracy:
     perplexity_increase: float  # relative to the reference, e.g. 0.004 = +0.4%
     mean_kld: float  # nats per token, top-20 + tail estimate (a lower bound)
     top1_agreement: float  # share of positions whose most likely token is the reference's
+    greedy_agreement: float | None = None  # share of greedy continuation tokens identical to the reference's
 
     def as_dict(self) -> dict:
         return {"kv_cache_dtype": self.kv_cache_dtype, "num_tokens": self.num_tokens, "perplexity": self.perplexity,
                 "perplexity_increase": self.perplexity_increase, "mean_kld": self.mean_kld,
-                "top1_agreement": self.top1_agreement}
+                "top1_agreement": self.top1_agreement, "greedy_agreement": self.greedy_agreement}
 
 
 def perplexity(entries: list[TokenLogprobs]) -> float:
@@ -79,6 +84,21 @@ def position_kld(reference: TokenLogprobs, candidate: TokenLogprobs) -> float:
         q_mass += math.exp(cand_logprob)
     p_tail, q_tail = max(1.0 - p_mass, _TAIL_FLOOR), max(1.0 - q_mass, _TAIL_FLOOR)
     return max(0.0, kld + p_tail * math.log(p_tail / q_tail))
+
+
+def greedy_prompts(token_ids: list[int], num_prompts: int, prompt_len: int) -> list[list[int]]:
+    """`num_prompts` prompts of `prompt_len` tokens, evenly spaced through the scored text (fewer if it is short)."""
+    starts = range(0, max(1, len(token_ids) - prompt_len + 1), max(1, len(token_ids) // max(1, num_prompts)))
+    return [token_ids[start:start + prompt_len] for start in starts][:num_prompts]
+
+
+def greedy_agreement(reference: list[list[int]], candidate: list[list[int]]) -> float:
+    """The share of the reference's continuation tokens the candidate reproduces before its first different one."""
+    assert len(reference) == len(candidate) and reference, "continue the same prompts"
+    shared = 0
+    for ref, cand in zip(reference, candidate):
+        shared += next((i for i, (a, b) in enumerate(zip(ref, cand)) if a != b), min(len(ref), len(cand)))
+    return shared / max(1, sum(len(ref) for ref in reference))
 
 
 def compare(kv_cache_dtype: str, reference: list[TokenLogprobs], candidate: list[TokenLogprobs]) -> KVAccuracy:

@@ -68,6 +68,13 @@ inline void prefetch_ahead(const scalar_t* k_cache, const scalar_t* v_cache, con
     prefetch_row(v_cache + offsets[i], head_dim);
   }
 }
+
+// Asks for a row's codes and scales (rows: (slot, KV head) indices).
+inline void prefetch_int4_row(const kvq::Source& source, int64_t row) {
+  _mm_prefetch(reinterpret_cast<const char*>(source.data + row * source.data_dim()), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(source.scales) + row * source.groups()),
+               _MM_HINT_T0);
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -339,11 +346,8 @@ inline void prefetch_int4_rows(const kvq::Source& keys, const kvq::Source& value
                                int64_t t0) {
   const int64_t num_tokens = static_cast<int64_t>(rows.size());
   for (int64_t i = t0 == 0 ? 0 : t0 + kPrefetchDistance - 16; i < std::min(t0 + kPrefetchDistance, num_tokens); ++i) {
-    for (const kvq::Source* source : {&keys, &values}) {
-      _mm_prefetch(reinterpret_cast<const char*>(source->data + rows[i] * source->data_dim()), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(source->scales) + rows[i] * source->groups()),
-                   _MM_HINT_T0);
-    }
+    prefetch_int4_row(keys, rows[i]);
+    prefetch_int4_row(values, rows[i]);
   }
 }
 
@@ -490,6 +494,130 @@ void values_avx2(const scalar_t* v_cache, const std::vector<int64_t>& offsets, c
         for (int c = 0; c < kSlice; ++c) sum[c] = Simd::fmadd(p, Simd::load(value + c * Simd::kLanes), sum[c]);
       }
       for (int c = 0; c < kSlice; ++c) Simd::store(acc + g * kHeadDim + d0 + c * Simd::kLanes, sum[c]);
+    }
+  }
+}
+
+// ---- int4 K and V read in place (AVX2, fp32 scores) ----
+// A row's 64-element chunk is 32 bytes, two codes a byte (low nibble first), one fp16 scale per 32 elements.
+// Query rows and the values' accumulators are kept in the codes' order (each chunk's even elements, then its
+// odd ones), so a chunk widens as its low nibbles, then its high ones, with no interleaving: bytes 0-15 of each
+// are the chunk's first 32 elements (its first scale), bytes 16-31 its last 32. The codes' +8 comes off once
+// per key and group: 8 x the group's query sum in the scores, 8 x the group's weights in the values.
+
+// Codes i..i+7 of 16 (a 128-bit half of a chunk's low or high nibbles) as fp32.
+inline __m256 int4_codes8(__m128i codes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)); }
+
+// A chunk's two fp16 scales, as [first, second, ...].
+inline __m128 int4_chunk_scales(const uint16_t* scales) {
+  uint32_t pair;
+  std::memcpy(&pair, scales, sizeof(pair));
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));
+}
+
+template <int kHeadDim>
+struct Int4QueryRow {
+  alignas(32) float permuted[kHeadDim];  // the row in the codes' order
+  float offset_sums[kHeadDim / kvq::kInt4Group];  // 8 x each group's sum: what the codes' +8 adds to its dot
+
+  explicit Int4QueryRow(const float* row) {
+    for (int c = 0; c < kHeadDim / 64; ++c)
+      for (int i = 0; i < 32; ++i) {
+        permuted[c * 64 + i] = row[c * 64 + 2 * i];
+        permuted[c * 64 + 32 + i] = row[c * 64 + 2 * i + 1];
+      }
+    for (int group = 0; group < kHeadDim / kvq::kInt4Group; ++group) {
+      float sum = 0.f;
+      for (int d = 0; d < kvq::kInt4Group; ++d) sum += row[group * kvq::kInt4Group + d];
+      offset_sums[group] = 8.f * sum;
+    }
+  }
+
+  float dot(const uint8_t* bytes, const uint16_t* scales) const {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 total = _mm256_setzero_ps();
+    float offset = 0.f;
+    for (int c = 0; c < kHeadDim / 64; ++c) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + c * 32));
+      const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+      const __m128 pair = int4_chunk_scales(scales + 2 * c);
+      const __m128 chunk_scales[2] = {pair, _mm_movehdup_ps(pair)};
+      for (int h = 0; h < 2; ++h) {  // the chunk's first and last 32 elements
+        const __m128i low_half = h ? _mm256_extracti128_si256(low, 1) : _mm256_castsi256_si128(low);
+        const __m128i high_half = h ? _mm256_extracti128_si256(high, 1) : _mm256_castsi256_si128(high);
+        const float* q = permuted + c * 64 + h * 16;
+        __m256 acc = _mm256_mul_ps(_mm256_load_ps(q), int4_codes8(low_half));
+        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 8), int4_codes8(_mm_srli_si128(low_half, 8)), acc);
+        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 32), int4_codes8(high_half), acc);
+        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 40), int4_codes8(_mm_srli_si128(high_half, 8)), acc);
+        total = _mm256_fmadd_ps(_mm256_broadcastss_ps(chunk_scales[h]), acc, total);
+        offset += _mm_cvtss_f32(chunk_scales[h]) * offset_sums[2 * c + h];
+      }
+    }
+    return simd::Simd::reduce_add(total) - offset;
+  }
+};
+
+// Each query row walks the keys on its own (as scores_avx2 does); the first asks for K and V ahead.
+template <int kHeadDim>
+void scores_int4_avx2(const float* qf, const kvq::Source& keys, const kvq::Source& values,
+                      const std::vector<int64_t>& rows, int64_t group, float* scores) {
+  constexpr int kGroups = kHeadDim / kvq::kInt4Group;
+  const int64_t num_tokens = static_cast<int64_t>(rows.size());
+  const uint16_t* key_scales = static_cast<const uint16_t*>(keys.scales);
+  for (int64_t g = 0; g < group; ++g) {
+    const Int4QueryRow<kHeadDim> query(qf + g * kHeadDim);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      if (g == 0 && t + kPrefetchDistance < num_tokens) {
+        prefetch_int4_row(keys, rows[t + kPrefetchDistance]);
+        prefetch_int4_row(values, rows[t + kPrefetchDistance]);
+      }
+      scores[g * num_tokens + t] = query.dot(keys.data + rows[t] * (kHeadDim / 2), key_scales + rows[t] * kGroups);
+    }
+  }
+}
+
+// Probability-weighted sums of int4 value rows, one query row and one 64-element chunk per walk over the
+// context (8 accumulators), each group's scale folded into the probability; written in element order.
+template <int kHeadDim>
+void values_int4_avx2(const kvq::Source& values, const std::vector<int64_t>& rows, const float* probs, int64_t group,
+                      float* acc) {
+  constexpr int kGroups = kHeadDim / kvq::kInt4Group;
+  const int64_t num_tokens = static_cast<int64_t>(rows.size());
+  const uint16_t* value_scales = static_cast<const uint16_t*>(values.scales);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < group; ++g) {
+    for (int c = 0; c < kHeadDim / 64; ++c) {
+      __m256 sum[8];
+      for (int i = 0; i < 8; ++i) sum[i] = _mm256_setzero_ps();
+      float weights[2] = {0.f, 0.f};
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t row = rows[t];
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values.data + row * (kHeadDim / 2) + c * 32));
+        const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+        const __m128 p_scales = _mm_mul_ps(int4_chunk_scales(value_scales + row * kGroups + 2 * c),
+                                           _mm_set1_ps(probs[g * num_tokens + t]));
+        const __m128 chunk_weights[2] = {p_scales, _mm_movehdup_ps(p_scales)};
+        for (int h = 0; h < 2; ++h) {
+          const __m128i low_half = h ? _mm256_extracti128_si256(low, 1) : _mm256_castsi256_si128(low);
+          const __m128i high_half = h ? _mm256_extracti128_si256(high, 1) : _mm256_castsi256_si128(high);
+          const __m256 w = _mm256_broadcastss_ps(chunk_weights[h]);
+          weights[h] += _mm_cvtss_f32(chunk_weights[h]);
+          sum[2 * h] = _mm256_fmadd_ps(w, int4_codes8(low_half), sum[2 * h]);
+          sum[2 * h + 1] = _mm256_fmadd_ps(w, int4_codes8(_mm_srli_si128(low_half, 8)), sum[2 * h + 1]);
+          sum[4 + 2 * h] = _mm256_fmadd_ps(w, int4_codes8(high_half), sum[4 + 2 * h]);
+          sum[4 + 2 * h + 1] = _mm256_fmadd_ps(w, int4_codes8(_mm_srli_si128(high_half, 8)), sum[4 + 2 * h + 1]);
+        }
+      }
+      // sum[0..3]: the chunk's even elements 0, 2, ..., 62; sum[4..7]: its odd ones.
+      alignas(32) float permuted[64];
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(permuted + 8 * i, sum[i]);
+      float* out = acc + g * kHeadDim + c * 64;
+      for (int i = 0; i < 32; ++i) {
+        const float offset = 8.f * weights[i / 16];
+        out[2 * i] = permuted[i] - offset;
+        out[2 * i + 1] = permuted[32 + i] - offset;
+      }
     }
   }
 }
@@ -677,15 +805,16 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   }
 }
 
-#if defined(__AVX512VNNI__)
-// decode_task over an int4 cache read in place (bf16 queries, head sizes 64 and 128): the same partial result.
-// The values pass takes the group's query rows kMaxGroup at a time (their accumulators in registers).
-template <int kHeadDim>
-void decode_task_int4(const at::BFloat16* q, const kvq::Source& keys, const kvq::Source& values, const int64_t* table,
+// int4 is read in place with VNNI under bf16 queries, and with fp32 products on AVX2 (whose fp32 queries keep
+// fp32 scores); other AVX-512 families decode it into scratch (paged_decode_attention_quantized).
+#if defined(__AVX512VNNI__) || (defined(KVSERVE_SIMD) && !defined(__AVX512F__))
+#define KVSERVE_INT4_IN_PLACE 1
+// decode_task over an int4 cache read in place (head sizes 64 and 128): the same partial result.
+template <typename q_t, int kHeadDim>
+void decode_task_int4(const q_t* q, const kvq::Source& keys, const kvq::Source& values, const int64_t* table,
                       int64_t end_token, int64_t first_token, int64_t block_size, int64_t kv_head, int64_t group,
                       float scale, float* partial, std::vector<float>& scores, std::vector<float>& qf,
                       std::vector<int64_t>& rows) {
-  constexpr int kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
   const int64_t num_tokens = end_token - first_token;
   float* row_max = partial + group * kHeadDim;
   scores.resize(group * num_tokens);
@@ -695,11 +824,27 @@ void decode_task_int4(const at::BFloat16* q, const kvq::Source& keys, const kvq:
   rows.clear();
   for (int64_t pos = first_token; pos < end_token; ++pos)
     rows.push_back((table[pos / block_size] * block_size + pos % block_size) * keys.num_kv_heads + kv_head);
+#if defined(__AVX512VNNI__)
+  // The values pass takes the group's query rows kMaxGroup at a time (their accumulators in registers).
+  constexpr int kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
   scores_int4_vnni<kHeadDim>(qf.data(), keys, values, rows, group, scores.data());
   exp_rows(scores.data(), group, num_tokens, row_max, row_max + group);
   for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup)
     values_int4<kHeadDim>(values, rows, scores.data() + g0 * num_tokens, std::min<int64_t>(kMaxGroup, group - g0),
                           partial + g0 * kHeadDim);
+#else
+  scores_int4_avx2<kHeadDim>(qf.data(), keys, values, rows, group, scores.data());
+  exp_rows(scores.data(), group, num_tokens, row_max, row_max + group);
+  values_int4_avx2<kHeadDim>(values, rows, scores.data(), group, partial);
+#endif
+}
+
+// Whether this build reads an int4 cache in place for queries of this dtype and head size.
+inline bool int4_in_place(c10::ScalarType q_dtype, int64_t head_dim) {
+#if defined(__AVX512VNNI__)
+  if (q_dtype != torch::kBFloat16) return false;
+#endif
+  return head_dim == 64 || head_dim == 128;
 }
 #endif
 
@@ -858,7 +1003,7 @@ constexpr int64_t kMaxDequantPartTokens = 256;  // 256 x 128 dims x 4 B x (K + V
 
 // The same over a quantized cache (kv_dequant.h). int8 and fp8 are read in place: their bytes are the cache's
 // elements, int8's row scales apply once per token and fp8's tensor scales once per task (decode_task). int4 is
-// read in place under bf16 queries where VNNI is (decode_task_int4). Otherwise (int4 elsewhere) each part's K and
+// read in place under bf16 queries where VNNI is and on AVX2 (decode_task_int4). Otherwise each part's K and
 // V rows are decoded once into contiguous fp32 scratch, which the fp32-cache task then reads as a one-block context (one KV head, identity table).
 // Either way the cache's bytes are read once, fewer of them than a 16-bit cache's.
 // k_data/v_data: [num_blocks, block_size, num_kv_heads, data_dim] bytes; k_scales/v_scales: int8's scale bytes
@@ -895,17 +1040,19 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
   const int64_t max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-#if defined(__AVX512VNNI__)
-  if (format == kvq::kInt4 && q.scalar_type() == torch::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
+#if defined(KVSERVE_INT4_IN_PLACE)
+  if (format == kvq::kInt4 && int4_in_place(q.scalar_type(), head_dim)) {
     const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0);
-    const auto task_fn = head_dim == 64 ? decode_task_int4<64> : decode_task_int4<128>;
-    const at::BFloat16* q_ptr = q.data_ptr<at::BFloat16>();
-    run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<at::BFloat16>(),
-              [&](const Part& part, float* partial, auto& scores, auto& qf, auto&, auto& rows, auto&, auto&) {
-                task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, keys, values,
-                        tables + part.seq * max_blocks, part.end, part.first, block_size, part.kv_head, group,
-                        static_cast<float>(scale), partial, scores, qf, rows);
-              });
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_int4_in_place", [&] {
+      const auto task_fn = head_dim == 64 ? decode_task_int4<scalar_t, 64> : decode_task_int4<scalar_t, 128>;
+      const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+      run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<scalar_t>(),
+                [&](const Part& part, float* partial, auto& scores, auto& qf, auto&, auto& rows, auto&, auto&) {
+                  task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, keys, values,
+                          tables + part.seq * max_blocks, part.end, part.first, block_size, part.kv_head, group,
+                          static_cast<float>(scale), partial, scores, qf, rows);
+                });
+    });
     return out;
   }
 #endif
