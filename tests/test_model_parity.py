@@ -43,7 +43,9 @@ def test_batch_of_sequences_matches_each_alone(tiny_model_dir):
     start = 0
     for prompt in prompts:
         alone = kvserve_logits(loaded, prompt)
-        assert torch.allclose(batched[start : start + len(prompt)], alone, atol=1e-5)
+        # The batch's matmuls and a lone prompt's take different kernels (oneDNN's GEMM, the 1-2 row path),
+        # which sum in different orders: up to 5e-5 apart on logits of magnitude ~8 (Intel Xeon, AVX2 family).
+        assert torch.allclose(batched[start : start + len(prompt)], alone, atol=1e-4)
         start += len(prompt)
 
 
