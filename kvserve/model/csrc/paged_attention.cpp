@@ -69,6 +69,25 @@ inline void prefetch_ahead(const scalar_t* k_cache, const scalar_t* v_cache, con
   }
 }
 
+// An int4 row's 64-element chunk is 32 bytes, two codes a byte (low nibble first), one fp16 scale per 32
+// elements. The in-place kernels take a chunk's codes as its low nibbles (elements 0, 2, ..., 62), then its high
+// ones (1, 3, ..., 63), so they widen with no interleaving, and hold query rows in that order.
+template <int kHeadDim>
+inline void to_nibble_order(const float* row, float* permuted) {
+  for (int c = 0; c < kHeadDim / 64; ++c)
+    for (int i = 0; i < 32; ++i) {
+      permuted[c * 64 + i] = row[c * 64 + 2 * i];
+      permuted[c * 64 + 32 + i] = row[c * 64 + 2 * i + 1];
+    }
+}
+
+// A chunk's two fp16 scales, as [first, second, ...].
+inline __m128 int4_chunk_scales(const uint16_t* scales) {
+  uint32_t pair;
+  std::memcpy(&pair, scales, sizeof(pair));
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));
+}
+
 // Asks for a row's codes and scales (rows: (slot, KV head) indices).
 inline void prefetch_int4_row(const kvq::Source& source, int64_t row) {
   _mm_prefetch(reinterpret_cast<const char*>(source.data + row * source.data_dim()), _MM_HINT_T0);
@@ -321,7 +340,7 @@ void scores_int8_vnni(const float* qf, const int8_t* k_cache, const int8_t* v_ca
 }
 
 // ---- int4 K and V read in place (AVX-512 VNNI, bf16 queries) ----
-// A row's 64-element chunk is 32 bytes, two codes a byte (low nibble first), one fp16 scale per 32 elements.
+// (The format and the nibbles' order: to_nibble_order.)
 
 // The chunk's codes as one vector [low nibbles | high nibbles]: elements 0, 2, ..., 62, then 1, 3, ..., 63.
 inline __m512i int4_codes(const uint8_t* bytes) {
@@ -334,9 +353,7 @@ inline __m512i int4_codes(const uint8_t* bytes) {
 // The chunk's two scales spread over the int32 lanes of int4_codes' order: lanes 0-3 and 8-11 hold the chunk's
 // first 32 elements, lanes 4-7 and 12-15 its last 32.
 inline __m512 int4_lane_scales(const uint16_t* scales) {
-  uint32_t pair;
-  std::memcpy(&pair, scales, sizeof(pair));
-  const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair))));
+  const __m512 both = _mm512_castps128_ps512(int4_chunk_scales(scales));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), both);
 }
 
@@ -361,11 +378,7 @@ void scores_int4_vnni(const float* qf, const kvq::Source& keys, const kvq::Sourc
   std::vector<QueryCodes<kVectors>> queries(group);
   for (int64_t g = 0; g < group; ++g) {
     alignas(64) float permuted[kHeadDim];  // the row in int4_codes' element order
-    for (int c = 0; c < kVectors; ++c)
-      for (int i = 0; i < 32; ++i) {
-        permuted[c * 64 + i] = qf[g * kHeadDim + c * 64 + 2 * i];
-        permuted[c * 64 + 32 + i] = qf[g * kHeadDim + c * 64 + 2 * i + 1];
-      }
+    to_nibble_order<kHeadDim>(qf + g * kHeadDim, permuted);
     queries[g].init(permuted, 8);
   }
   for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
@@ -499,20 +512,26 @@ void values_avx2(const scalar_t* v_cache, const std::vector<int64_t>& offsets, c
 }
 
 // ---- int4 K and V read in place (AVX2, fp32 scores) ----
-// A row's 64-element chunk is 32 bytes, two codes a byte (low nibble first), one fp16 scale per 32 elements.
-// Query rows and the values' accumulators are kept in the codes' order (each chunk's even elements, then its
-// odd ones), so a chunk widens as its low nibbles, then its high ones, with no interleaving: bytes 0-15 of each
-// are the chunk's first 32 elements (its first scale), bytes 16-31 its last 32. The codes' +8 comes off once
-// per key and group: 8 x the group's query sum in the scores, 8 x the group's weights in the values.
+// Query rows and the values' accumulators are kept in the nibbles' order (to_nibble_order): bytes 0-15 of a
+// chunk's low and high nibbles are its first 32 elements (its first scale), bytes 16-31 its last 32. The codes'
+// +8 comes off once per key and group: 8 x the group's query sum in the scores, 8 x the group's weights in the
+// values.
 
-// Codes i..i+7 of 16 (a 128-bit half of a chunk's low or high nibbles) as fp32.
-inline __m256 int4_codes8(__m128i codes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)); }
+// Half h of a chunk (its first or last 32 elements) as fp32 codes, in the nibbles' order: its 16 even elements
+// from `low`, then its 16 odd ones from `high`, 8 to a vector.
+inline void int4_half_codes(__m256i low, __m256i high, int h, __m256 codes[4]) {
+  const __m128i even = h ? _mm256_extracti128_si256(low, 1) : _mm256_castsi256_si128(low);
+  const __m128i odd = h ? _mm256_extracti128_si256(high, 1) : _mm256_castsi256_si128(high);
+  const __m128i parts[4] = {even, _mm_srli_si128(even, 8), odd, _mm_srli_si128(odd, 8)};
+  for (int i = 0; i < 4; ++i) codes[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+}
 
-// A chunk's two fp16 scales, as [first, second, ...].
-inline __m128 int4_chunk_scales(const uint16_t* scales) {
-  uint32_t pair;
-  std::memcpy(&pair, scales, sizeof(pair));
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));
+// A chunk's 32 bytes split into its low and high nibbles.
+inline void int4_nibbles(const uint8_t* bytes, __m256i& low, __m256i& high) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  low = _mm256_and_si256(packed, mask);
+  high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
 }
 
 template <int kHeadDim>
@@ -521,11 +540,7 @@ struct Int4QueryRow {
   float offset_sums[kHeadDim / kvq::kInt4Group];  // 8 x each group's sum: what the codes' +8 adds to its dot
 
   explicit Int4QueryRow(const float* row) {
-    for (int c = 0; c < kHeadDim / 64; ++c)
-      for (int i = 0; i < 32; ++i) {
-        permuted[c * 64 + i] = row[c * 64 + 2 * i];
-        permuted[c * 64 + 32 + i] = row[c * 64 + 2 * i + 1];
-      }
+    to_nibble_order<kHeadDim>(row, permuted);
     for (int group = 0; group < kHeadDim / kvq::kInt4Group; ++group) {
       float sum = 0.f;
       for (int d = 0; d < kvq::kInt4Group; ++d) sum += row[group * kvq::kInt4Group + d];
@@ -534,22 +549,21 @@ struct Int4QueryRow {
   }
 
   float dot(const uint8_t* bytes, const uint16_t* scales) const {
-    const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 total = _mm256_setzero_ps();
     float offset = 0.f;
     for (int c = 0; c < kHeadDim / 64; ++c) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + c * 32));
-      const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+      __m256i low, high;
+      int4_nibbles(bytes + c * 32, low, high);
       const __m128 pair = int4_chunk_scales(scales + 2 * c);
       const __m128 chunk_scales[2] = {pair, _mm_movehdup_ps(pair)};
       for (int h = 0; h < 2; ++h) {  // the chunk's first and last 32 elements
-        const __m128i low_half = h ? _mm256_extracti128_si256(low, 1) : _mm256_castsi256_si128(low);
-        const __m128i high_half = h ? _mm256_extracti128_si256(high, 1) : _mm256_castsi256_si128(high);
+        __m256 codes[4];
+        int4_half_codes(low, high, h, codes);
         const float* q = permuted + c * 64 + h * 16;
-        __m256 acc = _mm256_mul_ps(_mm256_load_ps(q), int4_codes8(low_half));
-        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 8), int4_codes8(_mm_srli_si128(low_half, 8)), acc);
-        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 32), int4_codes8(high_half), acc);
-        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 40), int4_codes8(_mm_srli_si128(high_half, 8)), acc);
+        __m256 acc = _mm256_mul_ps(_mm256_load_ps(q), codes[0]);
+        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 8), codes[1], acc);
+        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 32), codes[2], acc);
+        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 40), codes[3], acc);
         total = _mm256_fmadd_ps(_mm256_broadcastss_ps(chunk_scales[h]), acc, total);
         offset += _mm_cvtss_f32(chunk_scales[h]) * offset_sums[2 * c + h];
       }
@@ -585,7 +599,6 @@ void values_int4_avx2(const kvq::Source& values, const std::vector<int64_t>& row
   constexpr int kGroups = kHeadDim / kvq::kInt4Group;
   const int64_t num_tokens = static_cast<int64_t>(rows.size());
   const uint16_t* value_scales = static_cast<const uint16_t*>(values.scales);
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < group; ++g) {
     for (int c = 0; c < kHeadDim / 64; ++c) {
       __m256 sum[8];
@@ -593,20 +606,20 @@ void values_int4_avx2(const kvq::Source& values, const std::vector<int64_t>& row
       float weights[2] = {0.f, 0.f};
       for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t row = rows[t];
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values.data + row * (kHeadDim / 2) + c * 32));
-        const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+        __m256i low, high;
+        int4_nibbles(values.data + row * (kHeadDim / 2) + c * 32, low, high);
         const __m128 p_scales = _mm_mul_ps(int4_chunk_scales(value_scales + row * kGroups + 2 * c),
                                            _mm_set1_ps(probs[g * num_tokens + t]));
         const __m128 chunk_weights[2] = {p_scales, _mm_movehdup_ps(p_scales)};
         for (int h = 0; h < 2; ++h) {
-          const __m128i low_half = h ? _mm256_extracti128_si256(low, 1) : _mm256_castsi256_si128(low);
-          const __m128i high_half = h ? _mm256_extracti128_si256(high, 1) : _mm256_castsi256_si128(high);
+          __m256 codes[4];
+          int4_half_codes(low, high, h, codes);
           const __m256 w = _mm256_broadcastss_ps(chunk_weights[h]);
           weights[h] += _mm_cvtss_f32(chunk_weights[h]);
-          sum[2 * h] = _mm256_fmadd_ps(w, int4_codes8(low_half), sum[2 * h]);
-          sum[2 * h + 1] = _mm256_fmadd_ps(w, int4_codes8(_mm_srli_si128(low_half, 8)), sum[2 * h + 1]);
-          sum[4 + 2 * h] = _mm256_fmadd_ps(w, int4_codes8(high_half), sum[4 + 2 * h]);
-          sum[4 + 2 * h + 1] = _mm256_fmadd_ps(w, int4_codes8(_mm_srli_si128(high_half, 8)), sum[4 + 2 * h + 1]);
+          sum[2 * h] = _mm256_fmadd_ps(w, codes[0], sum[2 * h]);  // even elements
+          sum[2 * h + 1] = _mm256_fmadd_ps(w, codes[1], sum[2 * h + 1]);
+          sum[4 + 2 * h] = _mm256_fmadd_ps(w, codes[2], sum[4 + 2 * h]);  // odd ones
+          sum[4 + 2 * h + 1] = _mm256_fmadd_ps(w, codes[3], sum[4 + 2 * h + 1]);
         }
       }
       // sum[0..3]: the chunk's even elements 0, 2, ..., 62; sum[4..7]: its odd ones.
