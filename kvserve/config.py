@@ -178,9 +178,6 @@ class EngineConfig:
             if not tiers:
                 raise ValueError("--kv-idle-offload-seconds moves idle sessions' blocks to a KV tier: give "
                                  "--kv-offloading-size or --kv-disk-path too")
-        if cache.kv_disk_path is not None and cache.calculate_kv_scales:
-            raise ValueError("--calculate-kv-scales picks new fp8 scales each run, so blocks on --kv-disk-path would "
-                             "not decode the same after a restart; use one or the other")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.cache.disk_tier import MAGIC, SUFFIX, encode_block_file
+from kvserve.cache.disk_tier import LAYOUT_VERSION, MAGIC, SUFFIX, encode_block_file
 from kvserve.engine.llm import LLM
 from kvserve.engine.sampling_params import SamplingParams
 
@@ -93,7 +93,7 @@ def _write_files(folder: Path, payload_bytes: int, fingerprint: str) -> dict[str
         "garbage": b"not a block file at all",
         "truncated": good[: len(good) // 2],
         "foreign": encode_block_file("another-model", bytes(payload_bytes)),
-        "stale": good.replace(b'"layout": 1', b'"layout": 0'),
+        "stale": good.replace(f'"layout": {LAYOUT_VERSION}'.encode(), f'"layout": {LAYOUT_VERSION - 1}'.encode()),
     }
     paths = {}
     for index, (name, data) in enumerate(files.items()):
@@ -160,11 +160,9 @@ def test_tier_size_limits_hold(model, tmp_path):
     assert all(f.read_bytes().startswith(MAGIC) for f in tmp_path.glob(f"*{SUFFIX}"))
 
 
-def test_tiers_need_prefix_caching_and_fixed_fp8_scales(model, tmp_path):
+def test_tiers_need_prefix_caching(model, tmp_path):
     with pytest.raises(ValueError, match="need prefix caching"):
         LLM(model, kv_offloading_size=1, enable_prefix_caching=False, **COMMON)
-    with pytest.raises(ValueError, match="calculate-kv-scales"):
-        LLM(model, kv_disk_path=str(tmp_path), kv_cache_dtype="fp8", calculate_kv_scales=True, **COMMON)
     with pytest.raises(ValueError, match="kv-offloading-size must be > 0"):
         LLM(model, kv_offloading_size=0, **COMMON)
 

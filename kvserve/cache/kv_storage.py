@@ -5,10 +5,17 @@ block_size + offset) and reads context through block tables. A quantized format 
 scales beside the data in the same object: per-vector scales as [num_blocks, block_size, kv_heads, groups]
 tensors that move with their blocks, per-tensor fp8 scales as one value per layer. The scheduler, the block
 pool and the runner see blocks, never formats.
+
+A quantized cache also stores keys less a per-layer key offset (`key_offset`): one constant per channel and KV
+head, measured once at start-up (engine/kv_calibration.py). Some models' keys sit far from zero in a few
+channels (Qwen2's k bias: a channel at 317 +- 1.3 beside channels of +- 1), and a quantizer whose range covers
+them rounds every other channel to nothing. Subtracting a constant c from every key shifts all of a query's
+scores by the same q . c, which softmax ignores, so attention is unchanged and needs nothing added back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +34,10 @@ class LayerKVCache:
     key_tensor_scale: torch.Tensor | None = None  # [] fp32 (fp8): stored = x / scale
     value_tensor_scale: torch.Tensor | None = None
     rotation: torch.Tensor | None = None  # [head_dim, head_dim] fp32 when the codec rotates (int4)
-    calibrating: bool = False  # fp8 under --calculate-kv-scales: the first write sets the tensor scales
+    calibrating: bool = False  # fp8 under --calculate-kv-scales: the first write (start-up's) sets the tensor scales
+    key_offset: torch.Tensor | None = None  # [kv_heads, head_dim] in the model dtype, subtracted before storing
+    # [head_dim] bool while the key offset is to be measured on the next keys written, in these channels only
+    key_offset_channels: torch.Tensor | None = None
     # A fused writer for this device (the CPU kernels' write_kv / write_quantized_kv), given by the model runner:
     # fn(cache, slot_mapping, key, value), bit-identical to the torch ops below; None: those run.
     writer: Callable | None = None
@@ -49,6 +59,14 @@ class LayerKVCache:
         """Every per-block tensor (data and scales), block dim first: what moving a block moves."""
         return [t for t in (self.key, self.value, self.key_scales, self.value_scales) if t is not None]
 
+    def measure_key_offset(self, key: torch.Tensor) -> None:
+        """key [tokens, kv_heads, head_dim] (unrotated): each channel's median over the tokens after the first
+        (a sequence's first token is an attention sink whose key is unlike the rest), in the channels given."""
+        sample = key[1:] if key.shape[0] > 1 else key
+        median = sample.to(torch.float32).median(dim=0).values
+        self.key_offset = (median * self.key_offset_channels.to(median.device)).to(key.dtype)
+        self.key_offset_channels = None
+
     def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """key, value [tokens, kv_heads, head_dim] in the model dtype (already rotated when the codec rotates)."""
         if self.calibrating:
@@ -68,7 +86,8 @@ class LayerKVCache:
                 scales.view(-1, *scales.shape[2:]).index_copy_(0, slot_mapping, encoded_scales)
 
     def _calibrate(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """vLLM's --calculate-kv-scales: scale = absmax of the first batch / a range that leaves headroom for
+        """vLLM's --calculate-kv-scales: scale = absmax of the first batch (here the start-up calibration's, so the
+        same on every start) / a range that leaves headroom for
         larger values later (vLLM's constants, 200 for K and 100 for V, against e4m3's maximum of 448). Fixed
         afterwards: every block of the pool must decode with the scale it was written with."""
         self.key_tensor_scale.fill_(max(key.abs().max().item() / K_SCALE_RANGE, _MIN_TENSOR_SCALE))
@@ -87,6 +106,35 @@ class LayerKVCache:
         rows = data.view(-1, *data.shape[2:]).index_select(0, slots)
         row_scales = None if scales is None else scales.view(-1, *scales.shape[2:]).index_select(0, slots)
         return self.codec.decode(rows, row_scales, dtype, tensor_scale)
+
+
+def calibration_caches(layers: list[LayerKVCache], num_blocks: int, channels: torch.Tensor) -> list[LayerKVCache]:
+    """Scratch caches of `num_blocks` blocks in the layers' own format, writer and scale state, which measure
+    their key offsets in `channels` (and fp8 scales, when the layers are calibrating) on their first write: a
+    calibration forward runs over these, so it never touches the pool and the pool's size never changes it."""
+    def fresh(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else torch.zeros((num_blocks, *tensor.shape[1:]), dtype=tensor.dtype,
+                                                       device=tensor.device)
+
+    def scale(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.clone()
+
+    return [dataclasses.replace(layer, key=fresh(layer.key), value=fresh(layer.value),
+                                key_scales=fresh(layer.key_scales), value_scales=fresh(layer.value_scales),
+                                key_tensor_scale=scale(layer.key_tensor_scale),
+                                value_tensor_scale=scale(layer.value_tensor_scale), key_offset_channels=channels)
+            for layer in layers]
+
+
+def adopt_calibration(layers: list[LayerKVCache], measured: list[LayerKVCache]) -> None:
+    """The key offsets (and calibrated fp8 scales) that calibration caches measured, into the pool's layers."""
+    for layer, scratch in zip(layers, measured, strict=True):
+        assert scratch.key_offset is not None, "a layer's keys never reached its cache"
+        layer.key_offset = scratch.key_offset
+        if layer.calibrating:
+            layer.key_tensor_scale.copy_(scratch.key_tensor_scale)
+            layer.value_tensor_scale.copy_(scratch.value_tensor_scale)
+            layer.calibrating = False
 
 
 K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
@@ -109,7 +157,7 @@ def set_fp8_scales(layers: list[LayerKVCache], checkpoint_scales: dict[int, tupl
     if calculate:
         for layer in layers:
             layer.calibrating = True
-        return "calculated from the first batch (--calculate-kv-scales)"
+        return "calculated at start-up on the built-in calibration text (--calculate-kv-scales)"
     return "1.0 (pass --calculate-kv-scales to calibrate them)"
 
 

@@ -121,6 +121,9 @@ class LLMEngine:
         )
         if rank.fp8_scales:
             logger.info("fp8 KV scales: %s", rank.fp8_scales)
+        if rank.calibration_tokens:
+            logger.info("%s KV: key offsets measured on %d tokens of the built-in calibration text",
+                        self.pool.kv_format, rank.calibration_tokens)
         copier = None if self.tp is None else ShardedBlockCopier(BlockCopier(rank.storage), self.tp)
         self.tiers = build_tiers(cache_cfg, self.loaded, rank.storage, self.pool.kv_format, copier)
         if self.tiers is not None:

@@ -12,6 +12,7 @@ import torch
 
 from kvserve.cache.kv_storage import LayerKVCache, allocate_kv_storage, set_fp8_scales
 from kvserve.config import EngineConfig
+from kvserve.engine.kv_calibration import calibrate_key_offsets, calibration_text
 from kvserve.engine.memory_profile import decode_gather_tokens
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.pool_sizing import PoolPlan, plan_kv_pool
@@ -28,6 +29,7 @@ class RankState:
     storage: list[LayerKVCache]
     runner: ModelRunner
     fp8_scales: str | None  # where the fp8 scales came from, for the log; None: not an fp8 pool
+    calibration_tokens: int = 0  # tokens of the start-up text a quantized pool measured its key offsets on
 
     def describe_pool(self) -> str:
         if self.shard.size == 1:
@@ -52,4 +54,9 @@ def build_rank(config: EngineConfig, device: torch.device, shard: TensorShard,
     scales = set_fp8_scales(storage, loaded.model.checkpoint_kv_scales, cache_cfg.calculate_kv_scales)
     runner = ModelRunner(loaded.model, storage, cache_cfg.block_size, device,
                          max_gather_tokens=decode_gather_tokens(config.scheduler))
-    return RankState(shard, loaded, pool, storage, runner, scales)
+    calibration_tokens = 0
+    if storage[0].quantized:
+        # Every rank runs the same forward in step, so its collectives pair up.
+        token_ids = loaded.tokenizer.encode(calibration_text())
+        calibration_tokens = calibrate_key_offsets(runner, storage, token_ids)
+    return RankState(shard, loaded, pool, storage, runner, scales, calibration_tokens)

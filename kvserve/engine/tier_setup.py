@@ -1,8 +1,8 @@
 """Builds the KV tiers an engine's flags ask for (--kv-offloading-size, --kv-disk-path) over its pool storage.
 
 The disk tier's fingerprint names everything a stored block depends on: the weights' identity (each weight
-file's name, size and modification time, and config.json's bytes), the compute dtype, the KV format and its
-fp8 scales, the block size and the per-block tensor shapes. A block written under any other combination is
+file's name, size and modification time, and config.json's bytes), the compute dtype, the KV format, its
+fp8 scales and key offsets, the block size and the per-block tensor shapes. A block written under any other combination is
 never read back (disk_tier.py).
 """
 
@@ -12,6 +12,7 @@ import json
 import logging
 from pathlib import Path
 
+import torch
 import xxhash
 
 from kvserve.cache.block_copier import BlockCopier
@@ -62,8 +63,18 @@ def fingerprint(loaded: LoadedModel, layers: list[LayerKVCache], kv_format: str,
         "rotated": first.rotation is not None,  # blocks hold rotated K/V (int4, fp8)
         "fp8_scales": [[float(layer.key_tensor_scale), float(layer.value_tensor_scale)] for layer in layers
                        if layer.key_tensor_scale is not None],
+        "key_offsets": _key_offsets_digest(layers),  # blocks hold keys less these (quantized formats)
     }
     return xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True).encode())
+
+
+def _key_offsets_digest(layers: list[LayerKVCache]) -> str | None:
+    if layers[0].key_offset is None:
+        return None
+    digest = xxhash.xxh3_64()
+    for layer in layers:
+        digest.update(layer.key_offset.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _weights_identity(path: Path) -> list:

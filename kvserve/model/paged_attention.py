@@ -109,6 +109,10 @@ class PagedAttentionMetadata:
 
 def paged_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, metadata) -> torch.Tensor:
     paged: PagedAttentionMetadata = metadata.paged
+    if kv_cache.key_offset_channels is not None:  # the start-up calibration's forward
+        kv_cache.measure_key_offset(k)
+    if kv_cache.key_offset is not None:  # every score of a query moves by q . offset alike: softmax ignores it
+        k = k - kv_cache.key_offset
     rotation = kv_cache.rotation
     if rotation is not None:  # a rotating format (int4): q.k is unchanged, the output is rotated back below
         q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)

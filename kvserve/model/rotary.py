@@ -38,6 +38,7 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, rope_theta: float, scaling: RopeScaling) -> None:
         super().__init__()
         inv_freq = rope_inverse_frequencies(head_dim, rope_theta, scaling)
+        self.inv_freq = inv_freq
         self.max_positions = max_positions
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).to(torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -49,6 +50,13 @@ class RotaryEmbedding(torch.nn.Module):
         cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
+
+
+def slow_channels(inv_freq: torch.Tensor, max_positions: int, max_angle: float = 1.0) -> torch.Tensor:
+    """[head_dim] bool: the channels whose pair turns by at most `max_angle` radians over `max_positions`, so a
+    value that is constant before rotation stays nearly constant after it at every position."""
+    slow = inv_freq * max_positions <= max_angle
+    return torch.cat((slow, slow))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
