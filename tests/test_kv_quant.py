@@ -222,6 +222,33 @@ def test_eval_kv_reports_each_dtype_as_json(tiny_model_dir, tmp_path, capsys):
     # int8 is closer to the model's precision than int4, by every measure.
     assert rows["int8"]["mean_kld"] < rows["int4"]["mean_kld"]
     assert rows["int8"]["top1_agreement"] >= rows["int4"]["top1_agreement"]
+    # Bytes per token are the pool's: int4 holds the most tokens; fp32 compute has no noise floor to measure.
+    assert rows["int4"]["bytes_per_token"] < rows["int8"]["bytes_per_token"] < rows["auto"]["bytes_per_token"]
+    assert result["compute_dtype"] == "float32" and result["noise_floor"] is None
+    assert result["recommended"] == min((r for r in rows.values() if r["perplexity_increase"] <= 0.01),
+                                        key=lambda r: r["bytes_per_token"])["kv_cache_dtype"]
+
+
+def test_eval_kv_recommends_the_fewest_bytes_within_tolerance_and_measures_the_noise_floor(tiny_model_dir, tmp_path,
+                                                                                            capsys):
+    folder, _ = tiny_model_dir("llama")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 37} and more words {i}" for i in range(200)))
+    common = ["eval-kv", "--model", str(folder), "--dtype", "bfloat16", "--text-file", str(text), "--num-tokens", "120",
+              "--kv-cache-dtypes", "int8,int4", "--max-model-len", "256", "--greedy-prompts", "2",
+              "--greedy-prompt-len", "30", "--greedy-tokens", "8"]
+    assert kvserve_main([*common, "--max-perplexity-increase", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: --kv-cache-dtype int4" in out and "Noise floor: bfloat16 compute against float32" in out
+    assert kvserve_main([*common, "--max-perplexity-increase", "-1000", "--no-noise-floor", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["recommended"] == "auto" and result["noise_floor"] is None
+    assert kvserve_main([*common, "--max-perplexity-increase", "1000", "--min-greedy-agreement", "101", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["recommended"] == "auto"  # no continuation can agree on more than all its tokens
+    floor = result["noise_floor"]
+    assert floor["kv_cache_dtype"] == "auto, bfloat16 compute" and 0 <= floor["greedy_agreement"] <= 1
+    assert floor["mean_kld"] > 0  # bf16 compute is not fp32 compute
 
 
 def test_greedy_agreement_counts_tokens_up_to_the_first_difference():

@@ -28,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts cut from the text and continued greedily under each dtype (default 8; 0: none)")
     parser.add_argument("--greedy-prompt-len", type=int, default=128, help="tokens per greedy prompt (default 128)")
     parser.add_argument("--greedy-tokens", type=int, default=64, help="tokens each continuation runs (default 64)")
+    parser.add_argument("--max-perplexity-increase", type=float, default=1.0,
+                        help="the recommendation's tolerance: perplexity increase in percent (default 1.0)")
+    parser.add_argument("--min-greedy-agreement", type=float, default=0.0,
+                        help="the recommendation's tolerance: greedy identical tokens in percent (default 0: any)")
+    parser.add_argument("--no-noise-floor", dest="noise_floor", action="store_false",
+                        help="skip the fp32-compute run that measures how far the compute dtype alone moves the "
+                             "reference (run by default when the model computes in 16 bits)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_engine_arguments(parser)
     parser.set_defaults(enable_prefix_caching=False)  # every dtype computes the whole text itself
@@ -54,21 +61,53 @@ def run(args: argparse.Namespace) -> int:
     for name in candidates:
         scored = evaluate(args, name, text)
         row = compare(name, reference.prompt_logprobs, scored.prompt_logprobs)
+        row.bytes_per_token = scored.bytes_per_token
         if reference.continuations:
             row.greedy_agreement = greedy_agreement(reference.continuations, scored.continuations)
         rows.append(row)
         if not args.json:
             print(f"  scored {name}", file=sys.stderr)
     reference_ppl = rows[0].perplexity / (1 + rows[0].perplexity_increase)
+    floor = noise_floor(args, reference, reference_name, text) if args.noise_floor else None
+    pick = recommend(rows, args.max_perplexity_increase / 100, args.min_greedy_agreement / 100)
     if args.json:
         print(json.dumps({"model": reference.model_name, "reference_kv_cache_dtype": reference_name,
+                          "compute_dtype": reference.compute_dtype,
                           "num_tokens": reference.num_tokens, "reference_perplexity": reference_ppl,
+                          "reference_bytes_per_token": reference.bytes_per_token,
                           "greedy": {"prompts": len(reference.continuations), "prompt_len": args.greedy_prompt_len,
                                      "tokens": args.greedy_tokens},
-                          "results": [row.as_dict() for row in rows]}, indent=2))
+                          "results": [row.as_dict() for row in rows],
+                          "noise_floor": floor.as_dict() if floor else None,
+                          "recommended": pick.kv_cache_dtype if pick else reference_name}, indent=2))
     else:
         _print_table(reference, reference_name, reference_ppl, rows, args.greedy_tokens)
+        _print_verdict(args, reference, reference_name, floor, pick)
     return 0
+
+
+def noise_floor(args: argparse.Namespace, reference: Evaluated, reference_name: str, text: str):
+    """The reference itself scored against the same KV dtype under fp32 compute: how far the compute dtype alone
+    moves every figure, the floor a quantized dtype's own figures sit on (None when it computes in fp32)."""
+    from kvserve.engine.kv_eval import compare, greedy_agreement
+
+    if reference.compute_dtype == "float32":
+        return None
+    flags = copy.copy(args)
+    flags.dtype = "float32"
+    exact = evaluate(flags, reference_name, text)
+    row = compare(f"{reference_name}, {reference.compute_dtype} compute", exact.prompt_logprobs,
+                  reference.prompt_logprobs)
+    if reference.continuations:
+        row.greedy_agreement = greedy_agreement(exact.continuations, reference.continuations)
+    return row
+
+
+def recommend(rows: list, max_increase: float, min_greedy: float):
+    """The candidate with the fewest bytes per token within both tolerances; None: none is, keep the reference."""
+    within = [row for row in rows if row.perplexity_increase <= max_increase
+              and (row.greedy_agreement is None or row.greedy_agreement >= min_greedy)]
+    return min(within, key=lambda row: row.bytes_per_token, default=None)
 
 
 def _read_text(path: str | None) -> str:
@@ -91,6 +130,8 @@ class Evaluated:
     continuations: list[list[int]]
     num_tokens: int
     model_name: str
+    compute_dtype: str  # the model's dtype as the engine runs it (what --dtype auto resolved to)
+    bytes_per_token: float  # the pool's KV bytes per token, scales included (the planner's figure)
 
 
 def evaluate(args: argparse.Namespace, kv_cache_dtype: str, text: str) -> Evaluated:
@@ -113,7 +154,9 @@ def evaluate(args: argparse.Namespace, kv_cache_dtype: str, text: str) -> Evalua
         prompts = greedy_prompts(token_ids, args.greedy_prompts, max(1, prompt_len))
         greedy = SamplingParams(temperature=0.0, max_tokens=args.greedy_tokens, ignore_eos=True)
         continuations = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    return Evaluated(scored, continuations, len(token_ids), llm.engine.loaded.name)
+    engine = llm.engine
+    return Evaluated(scored, continuations, len(token_ids), engine.loaded.name, str(engine.loaded.dtype).split(".")[-1],
+                     engine.pool.block_bytes / engine.pool.block_size)
 
 
 def _print_table(reference: Evaluated, reference_name: str, reference_ppl: float, rows, greedy_tokens: int) -> None:
@@ -122,15 +165,32 @@ def _print_table(reference: Evaluated, reference_name: str, reference_ppl: float
 
     table = Table(title=f"KV cache dtypes on {reference.model_name}: {reference.num_tokens} tokens, against "
                         f"--kv-cache-dtype {reference_name} (perplexity {reference_ppl:.4f})")
-    columns = ["KV dtype", "perplexity", "increase", "mean KLD (top-20)", "top-1 agreement"]
+    columns = ["KV dtype", "B/token", "perplexity", "increase", "mean KLD (top-20)", "top-1 agreement"]
     if reference.continuations:
         columns.append(f"greedy identical ({len(reference.continuations)} x {greedy_tokens} tokens)")
     for column in columns:
         table.add_column(column, justify="left" if column == "KV dtype" else "right")
     for row in rows:
-        cells = [row.kv_cache_dtype, f"{row.perplexity:.4f}", f"{row.perplexity_increase * 100:+.2f}%",
+        cells = [row.kv_cache_dtype, f"{row.bytes_per_token:,.0f}", f"{row.perplexity:.4f}", f"{row.perplexity_increase * 100:+.2f}%",
                  f"{row.mean_kld:.5f}", f"{row.top1_agreement * 100:.2f}%"]
         if row.greedy_agreement is not None:
             cells.append(f"{row.greedy_agreement * 100:.1f}%")
         table.add_row(*cells)
     Console().print(table)
+
+
+def _print_verdict(args: argparse.Namespace, reference: Evaluated, reference_name: str, floor, pick) -> None:
+    if floor is not None:
+        greedy = "" if floor.greedy_agreement is None else f", greedy identical {floor.greedy_agreement * 100:.1f}%"
+        print(f"Noise floor: {reference.compute_dtype} compute against float32 compute, same KV dtype: perplexity "
+              f"{floor.perplexity_increase * 100:+.2f}%, mean KLD {floor.mean_kld:.5f}, top-1 "
+              f"{floor.top1_agreement * 100:.2f}%{greedy}")
+    tolerance = f"perplexity within +{args.max_perplexity_increase:g}%"
+    if args.min_greedy_agreement:
+        tolerance += f" and greedy identical >= {args.min_greedy_agreement:g}%"
+    if pick is None:
+        print(f"Recommended: --kv-cache-dtype {reference_name} (no candidate keeps {tolerance})")
+        return
+    print(f"Recommended: --kv-cache-dtype {pick.kv_cache_dtype}, the fewest bytes with {tolerance}: "
+          f"{pick.bytes_per_token:,.0f} B/token, {reference.bytes_per_token / pick.bytes_per_token:.2f}x the tokens "
+          f"of {reference_name} in the same memory")

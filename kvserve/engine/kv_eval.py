@@ -60,11 +60,13 @@ class KVAccuracy:
     mean_kld: float  # nats per token, top-20 + tail estimate (a lower bound)
     top1_agreement: float  # share of positions whose most likely token is the reference's
     greedy_agreement: float | None = None  # share of greedy continuation tokens identical to the reference's
+    bytes_per_token: float | None = None  # the candidate pool's KV bytes per token, scales included
 
     def as_dict(self) -> dict:
         return {"kv_cache_dtype": self.kv_cache_dtype, "num_tokens": self.num_tokens, "perplexity": self.perplexity,
                 "perplexity_increase": self.perplexity_increase, "mean_kld": self.mean_kld,
-                "top1_agreement": self.top1_agreement, "greedy_agreement": self.greedy_agreement}
+                "top1_agreement": self.top1_agreement, "greedy_agreement": self.greedy_agreement,
+                "bytes_per_token": self.bytes_per_token}
 
 
 def perplexity(entries: list[TokenLogprobs]) -> float:
