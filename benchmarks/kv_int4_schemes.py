@@ -151,22 +151,27 @@ class FakeQuantizedAttention:
         return self.original(attn, q, k, v, kv_cache, metadata)
 
 
+def _score(args: argparse.Namespace, kv_cache_dtype: str, text: str):
+    scored = eval_kv_cli.evaluate(args, kv_cache_dtype, text)
+    return scored.prompt_logprobs, scored.num_tokens, scored.model_name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     eval_kv_cli.add_arguments(parser)
-    parser.set_defaults(dtype="float32")
+    parser.set_defaults(dtype="float32", greedy_prompts=0)
     args = parser.parse_args(argv)
     text = stdlib_text()
     hook = FakeQuantizedAttention()
     attention_module.paged_attention = hook
-    reference, num_tokens, model = eval_kv_cli.score_text(args, "auto", text)
+    reference, num_tokens, model = _score(args, "auto", text)
     print(f"{model}, {num_tokens} tokens, --dtype {args.dtype}, against unquantized KV", flush=True)
     print(f"{'scheme':62s} {'B/token':>8s} {'vs bf16':>8s} {'ppl':>8s} {'KLD':>8s} {'top-1':>7s}")
-    engine_int4, _, _ = eval_kv_cli.score_text(args, "int4", text)
+    engine_int4, _, _ = _score(args, "int4", text)
     _print_row("int4 (engine): --kv-cache-dtype int4", 72, compare("int4", reference, engine_int4))
     for scheme in SCHEMES:
         hook.scheme = scheme
-        scored, _, _ = eval_kv_cli.score_text(args, "auto", text)
+        scored, _, _ = _score(args, "auto", text)
         _print_row(scheme.name, scheme.bytes_per_token, compare(scheme.name, reference, scored))
     return 0
 

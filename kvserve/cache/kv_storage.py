@@ -86,10 +86,10 @@ class LayerKVCache:
                 scales.view(-1, *scales.shape[2:]).index_copy_(0, slot_mapping, encoded_scales)
 
     def _calibrate(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """vLLM's --calculate-kv-scales: scale = absmax of the first batch (here the start-up calibration's, so the
-        same on every start) / a range that leaves headroom for
-        larger values later (vLLM's constants, 200 for K and 100 for V, against e4m3's maximum of 448). Fixed
-        afterwards: every block of the pool must decode with the scale it was written with."""
+        """vLLM's --calculate-kv-scales: scale = absmax of the first batch (here the start-up calibration's, so
+        the same on every start) / a range that leaves headroom for larger values later (vLLM's constants, 200
+        for K and 100 for V, against e4m3's maximum of 448). Fixed afterwards: every block of the pool must
+        decode with the scale it was written with."""
         self.key_tensor_scale.fill_(max(key.abs().max().item() / K_SCALE_RANGE, _MIN_TENSOR_SCALE))
         self.value_tensor_scale.fill_(max(value.abs().max().item() / V_SCALE_RANGE, _MIN_TENSOR_SCALE))
         self.calibrating = False

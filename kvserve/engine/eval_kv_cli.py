@@ -136,14 +136,22 @@ class Evaluated:
 
 def evaluate(args: argparse.Namespace, kv_cache_dtype: str, text: str) -> Evaluated:
     """The text's prompt logprobs (top-20 per position) and the greedy continuations, from a fresh engine."""
-    from kvserve.engine.kv_eval import TOP_LOGPROBS, greedy_prompts
     from kvserve.engine.llm import LLM
-    from kvserve.engine.sampling_params import SamplingParams
     from kvserve.engine.startup import engine_config_from_flags, start_engine
 
     flags = copy.copy(args)
     flags.kv_cache_dtype = kv_cache_dtype
     llm = LLM.from_engine(start_engine(engine_config_from_flags(flags)))
+    try:
+        return _evaluate(args, llm, text)
+    finally:
+        llm.close()  # one engine at a time: each holds the weights and a pool
+
+
+def _evaluate(args: argparse.Namespace, llm, text: str) -> Evaluated:
+    from kvserve.engine.kv_eval import TOP_LOGPROBS, greedy_prompts
+    from kvserve.engine.sampling_params import SamplingParams
+
     limit = min(args.num_tokens, llm.engine.max_model_len - 1)
     token_ids = llm.get_tokenizer().encode(text)[:limit]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP_LOGPROBS)
