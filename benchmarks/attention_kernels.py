@@ -10,7 +10,8 @@ decode:  the paged decode kernel vs the portable path (one index_select gather +
          32 sequences x 450 tokens, cycling through `--layers` layers' caches so the KV comes from DRAM as in a
          real decode step, and at 8 x 1,024 tokens with Llama-3-8B's heads (4 query heads per KV head);
 quantized decode: the decode kernel over a 4,096-token context (8 sequences) with the cache in bf16, fp8_e4m3,
-         int8 and int4 (--kv-cache-dtype), each against bf16: fewer bytes per token read from DRAM.
+         int8 and int4 (--kv-cache-dtype), each against bf16: fewer bytes per token read from DRAM; in SmolLM2's
+         shape and in Qwen2.5-1.5B's (12 query heads over 2 KV heads of 128). --quantized-only: just these.
 Prints milliseconds per layer for each (the best of 3 rounds) and the ratio.
 """
 
@@ -116,36 +117,38 @@ def decode_case(label: str, layers: int, kernels, generator, num_seqs: int = 32,
     print(f"{label:58} {ours:9.3f} {theirs:10.3f} {theirs / ours:7.2f}x")
 
 
-def quantized_decode_case(layers: int, kernels, generator) -> None:
+def quantized_decode_case(layers: int, kernels, generator, shape: str = "", heads: int = HEADS,
+                          kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> None:
     """The decode kernel at 8 x 4,096 tokens, per KV format; each format's caches filled with the same K/V."""
     num_seqs, context = 8, 4096
     num_blocks = num_seqs * context // BLOCK
     tables = block_tables([context] * num_seqs, num_blocks, generator)
     lens = torch.full((num_seqs,), context)
-    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+    q = torch.randn(num_seqs, heads, head_dim, generator=generator).to(DTYPE)
     slots = torch.arange(num_blocks * BLOCK)
-    kv = torch.randn(2, len(slots), KV_HEADS, HEAD_DIM, generator=generator)
+    kv = torch.randn(2, len(slots), kv_heads, head_dim, generator=generator)
     calls = {}
     for name in ("bfloat16", "fp8_e4m3", "int8", "int4"):
-        caches = allocate_kv_storage(layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, CACHE_DTYPE, "cpu", name)
+        caches = allocate_kv_storage(layers, num_blocks, BLOCK, kv_heads, head_dim, CACHE_DTYPE, "cpu", name)
         for cache in caches:
             cache.write(slots, kv[0], kv[1])
         decode_fn, layer = decode_kernel(kernels, DTYPE, caches[0]), iter(range(10**9))
         calls[name] = lambda fn=decode_fn, caches=caches, layer=layer: fn(
-            q, caches[next(layer) % layers], tables, lens, HEAD_DIM**-0.5, 0)
+            q, caches[next(layer) % layers], tables, lens, head_dim**-0.5, 0)
     # The formats take turns, round after round, so a change in the machine's load moves them all alike.
     timings = dict.fromkeys(calls, float("inf"))
     for _ in range(ROUNDS):
         for name, call in calls.items():
             timings[name] = min(timings[name], per_call_ms(call, 4 * layers, rounds=1))
     for name, ms in timings.items():
-        label = f"decode: 8 seqs x 4,096 tokens, {name} KV (vs bf16)"
+        label = f"decode: 8 x 4,096 tokens{shape}, {name} KV (vs bf16)"
         print(f"{label:58} {ms:9.3f} {timings['bfloat16']:10.3f} {timings['bfloat16'] / ms:7.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=30, help="caches cycled through (30 = SmolLM2's depth)")
+    parser.add_argument("--quantized-only", action="store_true", help="only the quantized decode cases")
     args = parser.parse_args()
     kernels = cpu_kernels()
     if kernels is None:
@@ -155,13 +158,20 @@ def main() -> None:
           f"{str(CACHE_DTYPE).removeprefix('torch.')} cache, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; ms per layer")
     print(f"{'case':58} {'kernel':>9} {'torch path':>10} {'ratio':>8}")
+    if not args.quantized_only:
+        torch_path_cases(args, kernels, generator)
+    quantized_decode_case(min(args.layers, 8), kernels, generator)
+    quantized_decode_case(min(args.layers, 8), kernels, generator, ", Qwen2.5-1.5B heads (12/2 x 128)",
+                          heads=12, kv_heads=2, head_dim=128)
+
+
+def torch_path_cases(args: argparse.Namespace, kernels, generator) -> None:
     prefill_case("prefill: 5 prompts x 415 tokens, no past", [415] * 5, [0] * 5, args.layers, kernels, generator)
     prefill_case("prefill: 64-token chunk over a 2,000-token cached past", [64], [2000], args.layers, kernels, generator)
     decode_case("decode: 32 seqs x 450 tokens, KV from DRAM", args.layers, kernels, generator)
     # GQA groups wider than the values pass's registers hold (4 query rows per KV head here, 7 in Qwen2.5-7B)
     decode_case("decode: 8 x 1,024 tokens, Llama-3-8B heads (32/8 x 128)", min(args.layers, 8), kernels, generator,
                 num_seqs=8, context=1024, heads=32, kv_heads=8, head_dim=128)
-    quantized_decode_case(min(args.layers, 8), kernels, generator)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "xxh3_128"
     kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False  # fp8: per-layer scales from the first batch instead of 1.0 (vLLM's flag)
+    calculate_kv_scales: bool = False  # fp8: per-layer scales from the start-up calibration text instead of 1.0 (vLLM's flag)
     kv_offloading_size: float | None = None  # GiB of host memory for blocks evicted from the pool (vLLM's flag)
     kv_offloading_backend: str = "native"
     kv_disk_path: str | None = None  # a disk tier below the host tier, kept across restarts

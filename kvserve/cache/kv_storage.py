@@ -143,9 +143,9 @@ _MIN_TENSOR_SCALE = 1e-6
 
 def set_fp8_scales(layers: list[LayerKVCache], checkpoint_scales: dict[int, tuple[float, float]],
                    calculate: bool) -> str | None:
-    """fp8 pools: the checkpoint's k_scale/v_scale where it has them, else calibration on the first batch under
-    --calculate-kv-scales, else 1.0 (vLLM's order). Returns where the scales come from, for the log; None for
-    pools without per-tensor scales."""
+    """fp8 pools: the checkpoint's k_scale/v_scale where it has them, else calibration on the first batch (the
+    start-up text) under --calculate-kv-scales, else 1.0 (vLLM's order). Returns where the scales come from, for
+    the log; None for pools without per-tensor scales."""
     if not layers or layers[0].key_tensor_scale is None:
         return None
     if checkpoint_scales:

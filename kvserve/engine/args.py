@@ -26,7 +26,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", default="auto",
                        choices=["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
     group.add_argument("--calculate-kv-scales", action="store_true",
-                       help="fp8 KV: per-layer scales from the first batch instead of 1.0 (a checkpoint's "
+                       help="fp8 KV: per-layer scales from the start-up calibration text instead of 1.0 (a checkpoint's "
                             "k_scale/v_scale win)")
     group.add_argument("--kv-offloading-size", type=float, default=None,
                        help="GiB of host memory that keeps blocks evicted from the pool, loaded back on a prefix hit")

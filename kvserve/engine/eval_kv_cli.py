@@ -184,7 +184,7 @@ def _print_table(reference: Evaluated, reference_name: str, reference_ppl: float
         if row.greedy_agreement is not None:
             cells.append(f"{row.greedy_agreement * 100:.1f}%")
         table.add_row(*cells)
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # a pipe gets every column whole
 
 
 def _print_verdict(args: argparse.Namespace, reference: Evaluated, reference_name: str, floor, pick) -> None:
