@@ -15,7 +15,6 @@ scores by the same q . c, which softmax ignores, so attention is unchanged and n
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,21 +108,20 @@ class LayerKVCache:
 
 
 def calibration_caches(layers: list[LayerKVCache], num_blocks: int, channels: torch.Tensor) -> list[LayerKVCache]:
-    """Scratch caches of `num_blocks` blocks in the layers' own format, writer and scale state, which measure
-    their key offsets in `channels` (and fp8 scales, when the layers are calibrating) on their first write: a
-    calibration forward runs over these, so it never touches the pool and the pool's size never changes it."""
-    def fresh(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else torch.zeros((num_blocks, *tensor.shape[1:]), dtype=tensor.dtype,
-                                                       device=tensor.device)
-
-    def scale(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.clone()
-
-    return [dataclasses.replace(layer, key=fresh(layer.key), value=fresh(layer.value),
-                                key_scales=fresh(layer.key_scales), value_scales=fresh(layer.value_scales),
-                                key_tensor_scale=scale(layer.key_tensor_scale),
-                                value_tensor_scale=scale(layer.value_tensor_scale), key_offset_channels=channels)
-            for layer in layers]
+    """Scratch caches of `num_blocks` blocks in the (quantized) layers' own format, writer and scale state, which
+    measure their key offsets in `channels` (and fp8 scales, when the layers are calibrating) on their first
+    write: a calibration forward runs over these, so it never touches the pool and the pool's size never changes
+    it."""
+    scratch = []
+    for layer in layers:
+        _, block_size, num_kv_heads, _ = layer.key.shape
+        fresh = _quantized_layer(layer.codec, num_blocks, block_size, num_kv_heads, layer.key.device, layer.rotation)
+        if layer.key_tensor_scale is not None:
+            fresh.key_tensor_scale.copy_(layer.key_tensor_scale)
+            fresh.value_tensor_scale.copy_(layer.value_tensor_scale)
+        fresh.calibrating, fresh.writer, fresh.key_offset_channels = layer.calibrating, layer.writer, channels
+        scratch.append(fresh)
+    return scratch
 
 
 def adopt_calibration(layers: list[LayerKVCache], measured: list[LayerKVCache]) -> None:

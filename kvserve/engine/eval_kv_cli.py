@@ -42,7 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @fails_in_one_line("eval-kv")
 def run(args: argparse.Namespace) -> int:
-    from kvserve.engine.kv_eval import compare, greedy_agreement
     from kvserve.engine.startup import EngineStartError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -59,12 +58,7 @@ def run(args: argparse.Namespace) -> int:
     reference = evaluate(args, reference_name, text)
     rows = []
     for name in candidates:
-        scored = evaluate(args, name, text)
-        row = compare(name, reference.prompt_logprobs, scored.prompt_logprobs)
-        row.bytes_per_token = scored.bytes_per_token
-        if reference.continuations:
-            row.greedy_agreement = greedy_agreement(reference.continuations, scored.continuations)
-        rows.append(row)
+        rows.append(scored_against(name, reference, evaluate(args, name, text)))
         if not args.json:
             print(f"  scored {name}", file=sys.stderr)
     reference_ppl = rows[0].perplexity / (1 + rows[0].perplexity_increase)
@@ -89,17 +83,22 @@ def run(args: argparse.Namespace) -> int:
 def noise_floor(args: argparse.Namespace, reference: Evaluated, reference_name: str, text: str):
     """The reference itself scored against the same KV dtype under fp32 compute: how far the compute dtype alone
     moves every figure, the floor a quantized dtype's own figures sit on (None when it computes in fp32)."""
-    from kvserve.engine.kv_eval import compare, greedy_agreement
-
     if reference.compute_dtype == "float32":
         return None
     flags = copy.copy(args)
     flags.dtype = "float32"
-    exact = evaluate(flags, reference_name, text)
-    row = compare(f"{reference_name}, {reference.compute_dtype} compute", exact.prompt_logprobs,
-                  reference.prompt_logprobs)
+    return scored_against(f"{reference_name}, {reference.compute_dtype} compute", evaluate(flags, reference_name, text),
+                          reference)
+
+
+def scored_against(name: str, reference: Evaluated, scored: Evaluated):
+    """`scored`'s accuracy row against `reference`: logprob measures, greedy agreement, bytes per token."""
+    from kvserve.engine.kv_eval import compare, greedy_agreement
+
+    row = compare(name, reference.prompt_logprobs, scored.prompt_logprobs)
+    row.bytes_per_token = scored.bytes_per_token
     if reference.continuations:
-        row.greedy_agreement = greedy_agreement(exact.continuations, reference.continuations)
+        row.greedy_agreement = greedy_agreement(reference.continuations, scored.continuations)
     return row
 
 
@@ -163,7 +162,7 @@ def _evaluate(args: argparse.Namespace, llm, text: str) -> Evaluated:
         greedy = SamplingParams(temperature=0.0, max_tokens=args.greedy_tokens, ignore_eos=True)
         continuations = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
     engine = llm.engine
-    return Evaluated(scored, continuations, len(token_ids), engine.loaded.name, str(engine.loaded.dtype).split(".")[-1],
+    return Evaluated(scored, continuations, len(token_ids), engine.loaded.name, str(engine.loaded.dtype).removeprefix("torch."),
                      engine.pool.block_bytes / engine.pool.block_size)
 
 
