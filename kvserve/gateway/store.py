@@ -111,8 +111,8 @@ return out
 class RedisStore:
     def __init__(self, url: str, limits: StoreLimits) -> None:
         import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         self.url = url
         self.limits = limits
