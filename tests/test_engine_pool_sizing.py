@@ -10,7 +10,7 @@ from kvserve.cli import main as kvserve_main
 from kvserve.engine.pool_sizing import PoolTooSmall
 from kvserve.planner.budget import max_model_len_for_blocks, num_blocks_for_pool
 from kvserve.planner.kv import kv_block_bytes
-from kvserve.planner.specs import load_spec
+from kvserve.planner.spec_loader import load_spec
 
 GIB = 2**30
 

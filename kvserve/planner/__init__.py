@@ -23,7 +23,8 @@ from kvserve.planner.kv import (
     kv_bytes_per_token,
     kv_format,
 )
-from kvserve.planner.specs import ModelSpec, load_spec, spec_from_hf_config
+from kvserve.planner.spec_loader import load_spec
+from kvserve.planner.specs import ModelSpec, spec_from_hf_config
 
 __all__ = [
     "KV_CACHE_DTYPES",

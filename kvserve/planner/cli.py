@@ -34,7 +34,8 @@ from kvserve.planner.report import (
     render_reference,
 )
 from kvserve.planner.serialize import model_cost_to_dict, plan_to_dict, reference_to_dicts
-from kvserve.planner.specs import ModelSpec, load_spec
+from kvserve.planner.spec_loader import load_spec
+from kvserve.planner.specs import ModelSpec
 from kvserve.planner.units import parse_token_count
 
 # Piped output (files, CI logs) gets a wide fixed width so the arithmetic column does not wrap into noise.

@@ -6,12 +6,10 @@ there is one parser and the registry's numbers are checked by the same code that
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from kvserve.planner.checkpoint import CheckpointWeights, summarize_checkpoint
+from kvserve.planner.checkpoint import CheckpointWeights
 from kvserve.planner.errors import PlannerError
 from kvserve.planner.quant import WeightQuant, quant_from_config
 
@@ -275,41 +273,3 @@ def _check_consistency(spec: ModelSpec, source: str) -> None:
             f"{source}: num_attention_heads {spec.num_attention_heads} is not a multiple of "
             f"num_key_value_heads {spec.num_kv_heads}"
         )
-
-
-def load_spec(model: str) -> ModelSpec:
-    """A registry id, a local HF folder, a config.json path, or a .gguf file -> ModelSpec."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return _spec_from_folder(path, model)
-    if path.is_file():
-        if path.suffix == ".gguf":
-            from kvserve.planner.gguf_spec import spec_from_gguf
-
-            return spec_from_gguf(path)
-        return _spec_from_config_file(path, model)
-    from kvserve.planner.registry import registry_spec
-
-    return registry_spec(model)
-
-
-def _spec_from_folder(folder: Path, name: str) -> ModelSpec:
-    config_path = folder / "config.json"
-    if config_path.is_file():
-        return _spec_from_config_file(config_path, name)
-    ggufs = sorted(folder.glob("*.gguf"))
-    if len(ggufs) == 1:
-        from kvserve.planner.gguf_spec import spec_from_gguf
-
-        return spec_from_gguf(ggufs[0])
-    raise PlannerError(f"{folder}: no config.json (and not exactly one .gguf file) in this folder")
-
-
-def _spec_from_config_file(config_path: Path, name: str) -> ModelSpec:
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise PlannerError(f"{config_path}: not valid JSON ({exc})") from None
-    spec = spec_from_hf_config(config, source=str(config_path), name=name)
-    checkpoint = summarize_checkpoint(config_path.parent, spec.num_layers)
-    return replace(spec, checkpoint=checkpoint) if checkpoint else spec

@@ -7,19 +7,13 @@ stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
-
-EXIT_USAGE = 2
-EXIT_STARTUP_FAILED = 1
-API_KEY_ENV = "KVSERVE_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvserve.engine.args import add_engine_arguments
     from kvserve.server.config_file import track_explicit_options
-    from kvserve.server.settings import DEFAULT_MAX_REQUEST_BYTES
+    from kvserve.server.settings import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 
     group = parser.add_argument_group("server")
     group.add_argument("--config", default=None, metavar="FILE.yaml",
@@ -61,13 +55,3 @@ def run(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return exc.exit_code
-
-
-def resolve_api_key(args: argparse.Namespace) -> str | None:
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    logging.getLogger("uvicorn").setLevel(level.upper() if level != "trace" else 5)

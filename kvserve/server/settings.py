@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+API_KEY_ENV = "KVSERVE_API_KEY"  # --api-key's default
 
 
 @dataclass(slots=True)

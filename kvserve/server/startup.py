@@ -7,9 +7,14 @@ model load), then the model.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import socket
 
-from kvserve.server.cli import EXIT_STARTUP_FAILED, EXIT_USAGE, configure_logging, resolve_api_key
+from kvserve.server.settings import API_KEY_ENV
+
+EXIT_USAGE = 2
+EXIT_STARTUP_FAILED = 1
 
 
 class StartupError(Exception):
@@ -124,3 +129,13 @@ def build_settings(args: argparse.Namespace, async_engine):
         root=str(loaded.path),
         log_requests_file=args.log_requests_file,
     )
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("uvicorn").setLevel(level.upper() if level != "trace" else 5)
