@@ -228,3 +228,16 @@ def test_two_tensor_parallel_engines_work_side_by_side_in_one_process(tiny_model
         if second is not None:
             second.close()
     assert_gone(pids)
+
+
+def test_the_worker_timeout_is_configurable_in_seconds(monkeypatch):
+    from kvserve.engine.tp_group import DEFAULT_WORKER_TIMEOUT_S, WORKER_TIMEOUT_ENV, worker_timeout_s
+
+    monkeypatch.delenv(WORKER_TIMEOUT_ENV, raising=False)
+    assert worker_timeout_s() == DEFAULT_WORKER_TIMEOUT_S < FAILURE_BOUND_S
+    monkeypatch.setenv(WORKER_TIMEOUT_ENV, "7.5")
+    assert worker_timeout_s() == 7.5
+    for bad in ("0", "-3", "soon", "nan"):
+        monkeypatch.setenv(WORKER_TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=WORKER_TIMEOUT_ENV):
+            worker_timeout_s()

@@ -174,17 +174,27 @@ class TensorParallelGroup:
                 return self._fail_silent(silent)
 
     def _fail_silent(self, worker: WorkerProcess) -> None:
-        state = worker.describe_state()
-        # Killing it makes every collective waiting on it fail now rather than after COLLECTIVE_TIMEOUT_S.
-        worker.kill()
-        self._fail(f"tensor-parallel worker rank {worker.rank} (pid {worker.pid}) stopped answering: no heartbeat "
-                   f"for {self.timeout_s:g} s ({WORKER_TIMEOUT_ENV}), process state {state}; it was killed")
+        message = (f"tensor-parallel worker rank {worker.rank} (pid {worker.pid}) stopped answering: no heartbeat "
+                   f"for {self.timeout_s:g} s ({WORKER_TIMEOUT_ENV}), process state {worker.describe_state()}; "
+                   "it was killed")
+        # Recorded first, so the step its death interrupts reports this rather than "killed by signal 9".
+        if self._record_failure(message):
+            # Killing it makes every collective waiting on it fail now rather than after COLLECTIVE_TIMEOUT_S.
+            worker.kill()
+            self._notify(message)
 
     def _fail(self, message: str) -> None:
+        if self._record_failure(message):
+            self._notify(message)
+
+    def _record_failure(self, message: str) -> bool:
         with self._failure_lock:
             if self.failure is not None or self._closing:
-                return
+                return False
             self.failure = message
+            return True
+
+    def _notify(self, message: str) -> None:
         logger.error("%s", message)
         for listener in self._listeners:
             listener(message)
