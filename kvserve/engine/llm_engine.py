@@ -30,7 +30,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.tier_setup import build_tiers
 from kvserve.engine.tp_group import ShardedBlockCopier, TensorParallelGroup
-from kvserve.engine.tp_worker import agree_num_blocks, cpu_threads_per_rank, rank_device
+from kvserve.engine.tp_worker import cpu_threads_per_rank, rank_device
 from kvserve.model.loader import LoadedModel, check_tensor_parallel
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard
 
@@ -148,7 +148,8 @@ class LLMEngine:
             torch.set_num_threads(cpu_threads_per_rank(tp_size))
         self.tp = TensorParallelGroup(config, tp_size, self.device)
         try:
-            rank = build_rank(config, self.device, TensorShard(0, tp_size), agree_num_blocks)
+            ranks = self.tp.ranks
+            rank = build_rank(config, self.device, TensorShard(0, tp_size, ranks), ranks.agree_num_blocks)
         except RuntimeError as exc:  # a collective failed: most likely a worker died while loading
             raise self.tp.failed(exc) from None
         for line in [rank.describe_pool(), *self.tp.wait_ready()]:

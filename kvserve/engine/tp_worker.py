@@ -1,9 +1,14 @@
 """A tensor-parallel worker process (ranks 1..N-1): builds its shard, then runs what rank 0 sends it.
 
-Rank 0 sends each message down a multiprocessing pipe; the tensors of a step move through torch.distributed
-collectives inside the forward (all-reduce, gather). Waiting for the next message is a blocking pipe read,
-not a collective, so an idle server never trips the collectives' timeout; and when rank 0 goes away, however
-it dies, the pipe closes and the worker exits instead of living on as an orphan.
+Started by rank 0 as `python -m kvserve.engine.tp_worker CONN_FD HEARTBEAT_FD` (see tp_worker_process.py). Its
+heartbeat starts before anything heavy is imported, so rank 0 hears from it within a second of its start. The
+first message says what to build and where the engine's store is; the worker announces that it is joining,
+joins the engine's own process group, builds its shard and says it is ready.
+
+Rank 0 sends each message down a multiprocessing pipe; the tensors of a step move through the group's
+collectives inside the forward (all-reduce, gather). Waiting for the next message is a blocking pipe read, not a
+collective, so an idle server never trips the collectives' timeout; and when rank 0 goes away, however it dies,
+the pipe closes (and the heartbeat's write fails) and the worker exits instead of living on as an orphan.
 """
 
 from __future__ import annotations
@@ -12,51 +17,33 @@ import logging
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-import torch
-import torch.distributed as dist
-
 from kvserve.config import EngineConfig
-from kvserve.model.tensor_parallel import TensorShard
-
+from kvserve.engine.tp_heartbeat import start_heartbeat
 
 # Messages from rank 0: (kind, payload).
-STEP, READ_BLOCKS, WRITE_BLOCKS, STOP = "step", "read_blocks", "write_blocks", "stop"
-READY, FAILED = "ready", "failed"
+START, STEP, READ_BLOCKS, WRITE_BLOCKS, STOP = "start", "step", "read_blocks", "write_blocks", "stop"
+# Messages to rank 0.
+JOINING, READY, FAILED = "joining", "ready", "failed"
 
 
-def init_distributed(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> None:
-    from datetime import timedelta
+@dataclass(slots=True, frozen=True)
+class WorkerStart:
+    """The first message: what this rank builds, and how it joins the engine's group."""
 
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))
-
-
-def cpu_group():
-    """The group CPU tensors (block payloads) travel in: the default one under gloo, a gloo one beside NCCL."""
-    return None if dist.get_backend() == "gloo" else _gloo_group()
+    config: EngineConfig
+    rank: int
+    size: int
+    store_port: int  # the engine's own TCPStore, on 127.0.0.1
+    join_timeout_s: float
+    collective_timeout_s: float
 
 
-_GLOO = []
+def rank_device(config: EngineConfig, rank: int):
+    import torch
 
-
-def _gloo_group():
-    if not _GLOO:
-        _GLOO.append(dist.new_group(backend="gloo"))
-    return _GLOO[0]
-
-
-def agree_num_blocks(num_blocks: int) -> int:
-    value = torch.tensor([num_blocks], dtype=torch.long)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=cpu_group())
-    return int(value.item())
-
-
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
     from kvserve.engine.llm_engine import pick_device
 
     device = pick_device(config.device)
@@ -72,19 +59,27 @@ def cpu_threads_per_rank(size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // size)
 
 
-def worker_main(config: EngineConfig, rank: int, size: int, init_method: str, timeout_s: float,
-                conn: Connection) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
+def main(argv: list[str]) -> None:
+    conn = Connection(int(argv[1]))
+    start_heartbeat(int(argv[2]))
     try:
-        device = rank_device(config, rank)
-        if device.type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(size))
-        init_distributed(rank, size, init_method, device, timeout_s)
-        from kvserve.engine.rank_state import build_rank
+        kind, start = conn.recv()
+    except (EOFError, KeyboardInterrupt):
+        return  # rank 0 is gone before it said anything
+    assert kind == START, kind
+    run_worker(start, conn)
 
-        state = build_rank(config, device, TensorShard(rank, size), agree_num_blocks)
+
+def run_worker(start: WorkerStart, conn: Connection) -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s tp-rank{start.rank} %(name)s: %(message)s")
+    group = None
+    try:
+        device = rank_device(start.config, start.rank)
+        group = _join(start, device, conn)
+        state = _build(start, device, group)
         conn.send((READY, state.describe_pool()))
-        _serve(state, conn)
+        _serve(state, group, conn)
     except (EOFError, KeyboardInterrupt):
         return  # rank 0 is gone: nothing to report to
     except BaseException as exc:  # report to rank 0, then die: rank 0 fails with this message
@@ -95,12 +90,35 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str, ti
             pass
         sys.exit(1)
     finally:
-        # A normal exit (not os._exit) runs the finalizers, so the resource tracker sees no leaked semaphore.
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if group is not None:
+            group.close()
 
 
-def _serve(state, conn: Connection) -> None:
+def _join(start: WorkerStart, device, conn: Connection):
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from kvserve.engine.tp_process_group import RankGroup
+
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(start.size))
+    conn.send((JOINING, None))
+    store = dist.TCPStore("127.0.0.1", start.store_port, start.size, False, timedelta(seconds=start.join_timeout_s))
+    return RankGroup.join(store, start.rank, start.size, device, start.join_timeout_s, start.collective_timeout_s)
+
+
+def _build(start: WorkerStart, device, group):
+    from kvserve.engine.rank_state import build_rank
+    from kvserve.model.tensor_parallel import TensorShard
+
+    return build_rank(start.config, device, TensorShard(start.rank, start.size, group), group.agree_num_blocks)
+
+
+def _serve(state, group, conn: Connection) -> None:
+    import torch
+
     from kvserve.cache.block_copier import BlockCopier
 
     copier = None
@@ -111,10 +129,14 @@ def _serve(state, conn: Connection) -> None:
         elif kind in (READ_BLOCKS, WRITE_BLOCKS):
             copier = copier or BlockCopier(state.storage)
             if kind == READ_BLOCKS:
-                dist.gather(copier.read_joined(payload), None, dst=0, group=cpu_group())
+                group.gather_cpu(copier.read_joined(payload))
             else:
                 part = torch.empty(len(payload), copier.payload_bytes, dtype=torch.uint8)
-                dist.scatter(part, None, src=0, group=cpu_group())
+                group.scatter_cpu(part, None)
                 copier.write_joined(payload, part)
         elif kind == STOP:
             return
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -6,15 +6,15 @@ ends each layer with the whole hidden state. Attention heads are independent, so
 only its query heads and their KV heads. With fewer KV heads than ranks each KV head is replicated on the
 ranks whose query heads read it (the planner's `kv_heads_per_gpu`). The embedding and the LM head are split by
 vocabulary: a token's row lives on one rank (the others add zeros in the all-reduce), and the head's logit
-columns are gathered to rank 0, the only rank that samples.
+columns are gathered to rank 0, the only rank that samples. The collectives run in the engine's own group of
+ranks (`TensorShard.group`), never torch's default process group, so two engines can live in one process.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from kvserve.config import ModelConfig
 
@@ -25,6 +25,8 @@ class TensorShard:
 
     rank: int = 0
     size: int = 1
+    # The engine's ranks (engine/tp_process_group.RankGroup): all_reduce(x) and gather(x, dst) run in it.
+    group: object = field(default=None, compare=False, repr=False)
 
     def heads(self, config: ModelConfig) -> tuple[int, int]:
         """(query heads, KV heads) this rank holds."""
@@ -63,7 +65,7 @@ def check_shardable(hf_config: dict, config: ModelConfig, size: int, source: str
 
 def all_reduce(x: torch.Tensor, shard: TensorShard) -> torch.Tensor:
     if shard.size > 1:
-        dist.all_reduce(x)
+        shard.group.all_reduce(x)
     return x
 
 
@@ -76,7 +78,7 @@ def embed(input_ids: torch.Tensor, weight: torch.Tensor, vocab_size: int, shard:
     outside = (input_ids < start) | (input_ids >= end)
     rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
     rows.masked_fill_(outside.unsqueeze(1), 0)
-    dist.all_reduce(rows)
+    shard.group.all_reduce(rows)
     return rows
 
 
@@ -84,9 +86,7 @@ def gather_logits(local: torch.Tensor, vocab_size: int, shard: TensorShard) -> t
     """Rank 0 gets the whole [rows, vocab] logits; the other ranks get None."""
     if shard.size == 1:
         return local
-    local = local.contiguous()
-    parts = [torch.empty_like(local) for _ in range(shard.size)] if shard.rank == 0 else None
-    dist.gather(local, parts, dst=0)
+    parts = shard.group.gather(local.contiguous(), dst=0)
     if parts is None:
         return None
     return torch.cat(parts, dim=1)[:, :vocab_size]
