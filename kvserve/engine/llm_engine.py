@@ -19,6 +19,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.tier_stats import TierStats
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.devices import cpu_threads_per_rank, pick_device, rank_device
 from kvserve.engine.idle_sessions import IdleSessions
 from kvserve.engine.model_runner import ModelRunner, StepLogits, plan_step
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
@@ -30,7 +31,6 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.tier_setup import build_tiers
 from kvserve.engine.tp_group import ShardedBlockCopier, TensorParallelGroup
-from kvserve.engine.tp_worker import cpu_threads_per_rank, rank_device
 from kvserve.model.loader import LoadedModel, check_tensor_parallel
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard
 
@@ -77,25 +77,6 @@ class EngineCounters:
     generation_tokens: int = 0
     num_steps: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got {name!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got {name!r}")
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"--device {name}: torch sees no CUDA device (torch {torch.__version__}, built "
-                             f"{'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for CPU only'})")
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"--device {name}: torch sees {count} CUDA device(s), numbered from 0")
-    return device
 
 
 class LLMEngine:

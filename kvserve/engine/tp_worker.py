@@ -14,7 +14,6 @@ the pipe closes (and the heartbeat's write fails) and the worker exits instead o
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -41,24 +40,6 @@ class WorkerStart:
     collective_timeout_s: float
 
 
-def rank_device(config: EngineConfig, rank: int):
-    import torch
-
-    from kvserve.engine.llm_engine import pick_device
-
-    device = pick_device(config.device)
-    if device.type == "cpu":
-        return device
-    size = config.parallel.tensor_parallel_size
-    if torch.cuda.device_count() < size:
-        raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; torch sees {torch.cuda.device_count()}")
-    return torch.device("cuda", rank)
-
-
-def cpu_threads_per_rank(size: int) -> int:
-    return max(1, len(os.sched_getaffinity(0)) // size)
-
-
 def main(argv: list[str]) -> None:
     conn = Connection(int(argv[1]))
     start_heartbeat(int(argv[2]))
@@ -73,6 +54,8 @@ def main(argv: list[str]) -> None:
 def run_worker(start: WorkerStart, conn: Connection) -> None:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s tp-rank{start.rank} %(name)s: %(message)s")
+    from kvserve.engine.devices import rank_device  # torch: after the heartbeat has started
+
     group = None
     try:
         device = rank_device(start.config, start.rank)
@@ -100,6 +83,7 @@ def _join(start: WorkerStart, device, conn: Connection):
     import torch
     import torch.distributed as dist
 
+    from kvserve.engine.devices import cpu_threads_per_rank
     from kvserve.engine.tp_process_group import RankGroup
 
     if device.type == "cpu":
