@@ -148,7 +148,7 @@ def test_a_server_started_from_the_emitted_serve_yaml_passes_the_emitted_day2_te
     assert "P95 TTFT: " in report and "KV pool headroom: " in report and "day-2 test: PASS" in report
     result = json.loads(results.read_text())
     assert result["summary"]["num_completed"] == 6 and result["summary"]["num_failed"] == 0
-    assert result["server"]["peak_kv_usage"] is not None
+    assert 0 <= result["server"]["peak_kv_usage"] <= 1  # a fraction of the pool, as scraped from /metrics
     # The same run against a headroom it cannot have fails.
     lines, ok = verdict_lines(result, 600000, 1.01)
     assert not ok and lines[1].startswith("KV pool headroom: ")

@@ -55,7 +55,11 @@ def test_cuda_profiling_forwards_run_through_the_portable_path(kind, tiny_model_
     config = EngineConfig.from_kwargs(model=str(folder), dtype="float32", device="cpu", max_model_len=300,
                                       max_num_batched_tokens=64, max_num_seqs=4)
     loaded = load_model(str(folder), "float32", "cpu")
-    run_profiling_passes(config, loaded, torch.device("cpu"))
+    prefill, decode, sampled = run_profiling_passes(config, loaded, torch.device("cpu"))
+    vocab = loaded.config.vocab_size
+    assert prefill.shape == (64, vocab) and bool(prefill.isfinite().all())  # every token of the full budget
+    assert decode.shape[1] == vocab and decode.shape[0] >= 1 and bool(decode.isfinite().all())
+    assert len(sampled) == 4  # one draw per max-num-seqs row
 
 
 def test_auto_on_a_cpu_without_native_bf16_keeps_kv_in_the_checkpoints_16_bits(monkeypatch):

@@ -186,9 +186,13 @@ def test_chat_non_stream_and_stream(client):
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
     message = out.choices[0].message
     assert message.role == "assistant" and out.choices[0].finish_reason == "length"
-    assert out.usage.completion_tokens == 6 and out.usage.prompt_tokens_details.cached_tokens >= 0
+    assert out.usage.completion_tokens == 6
     chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True}))
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    usage = chunks.pop().usage  # the same prompt again: every whole block of it but the last token's is cached
+    prompt_tokens = out.usage.prompt_tokens
+    assert usage.prompt_tokens == prompt_tokens and usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content

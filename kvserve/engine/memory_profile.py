@@ -48,21 +48,21 @@ def activation_peak_bytes(config: EngineConfig, loaded: LoadedModel, device: tor
 
 
 @torch.inference_mode()
-def run_profiling_passes(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
-    """The three passes, attention through the portable path (the one CUDA runs); device-agnostic."""
+def run_profiling_passes(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The three passes, attention through the portable path (the one CUDA runs); device-agnostic. Returns what
+    each produced: the prefill's and the decode's logits, the sampler's tokens."""
     model_cfg = loaded.config
     context_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                       model_cfg.max_position_embeddings)
     block_size = config.cache.block_size
     kv_caches = allocate_kv_storage(model_cfg.num_hidden_layers, 1, block_size, loaded.num_kv_heads,
                                     model_cfg.head_dim, loaded.kv_dtype, device, config.cache.kv_cache_dtype)
-    _prefill_forward(config, loaded, device, kv_caches, context_len)
-    _decode_forward(config, loaded, device, kv_caches, context_len)
-    _sampler_pass(config, loaded, device)
+    return (_prefill_forward(config, loaded, device, kv_caches, context_len),
+            _decode_forward(config, loaded, device, kv_caches, context_len), _sampler_pass(config, loaded, device))
 
 
 def _prefill_forward(config: EngineConfig, loaded: LoadedModel, device: torch.device, kv_caches: list,
-                     context_len: int) -> None:
+                     context_len: int) -> torch.Tensor:
     num_tokens = config.scheduler.max_num_batched_tokens
     num_past = max(0, context_len - num_tokens)
     context_slots = torch.zeros(num_past + num_tokens, dtype=torch.long, device=device) if num_past else None
@@ -71,7 +71,7 @@ def _prefill_forward(config: EngineConfig, loaded: LoadedModel, device: torch.de
         prefill=PrefillGroup([PrefillSegment(0, num_tokens, num_past, context_slots)], kernel_inputs=None),
     )
     positions = (torch.arange(num_tokens, device=device) + num_past) % loaded.config.max_position_embeddings
-    loaded.model(
+    return loaded.model(
         torch.zeros(num_tokens, dtype=torch.long, device=device), positions,
         AttentionMetadata(query_start_loc=[0, num_tokens], num_computed_tokens=[num_past], paged=paged),
         kv_caches=kv_caches, logits_indices=torch.arange(num_tokens, device=device),
@@ -79,7 +79,7 @@ def _prefill_forward(config: EngineConfig, loaded: LoadedModel, device: torch.de
 
 
 def _decode_forward(config: EngineConfig, loaded: LoadedModel, device: torch.device, kv_caches: list,
-                    context_len: int) -> None:
+                    context_len: int) -> torch.Tensor:
     # The largest chunk a step can gather: one whole context when it exceeds the bound, otherwise as many
     # sequences as fit, of the length that fills the bound (a shorter max context packs more rows per chunk).
     gather_tokens = decode_gather_tokens(config.scheduler)
@@ -98,7 +98,7 @@ def _decode_forward(config: EngineConfig, loaded: LoadedModel, device: torch.dev
         max_gather_tokens=gather_tokens,
     )
     paged = PagedAttentionMetadata(slot_mapping=torch.zeros(num_seqs, dtype=torch.long, device=device), decode=group)
-    loaded.model(
+    return loaded.model(
         torch.zeros(num_seqs, dtype=torch.long, device=device),
         torch.full((num_seqs,), length - 1, dtype=torch.long, device=device),
         AttentionMetadata(query_start_loc=list(range(num_seqs + 1)), num_computed_tokens=[length - 1] * num_seqs,
@@ -107,7 +107,7 @@ def _decode_forward(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     )
 
 
-def _sampler_pass(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+def _sampler_pass(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> list:
     """Flat logits (the top-p cut lies past every partial sort) with penalties and top logprobs on every row."""
     num_rows = config.scheduler.max_num_seqs
     params = SamplingParams(temperature=1.0, top_p=0.999, min_p=0.001, repetition_penalty=1.1, presence_penalty=0.1,
@@ -115,4 +115,4 @@ def _sampler_pass(config: EngineConfig, loaded: LoadedModel, device: torch.devic
     requests = [Request(str(row), [0], params, [], None, 1) for row in range(num_rows)]
     for request in requests:
         request.append_output_token(0)
-    sample(torch.zeros(num_rows, loaded.config.vocab_size, dtype=loaded.dtype, device=device), requests)
+    return sample(torch.zeros(num_rows, loaded.config.vocab_size, dtype=loaded.dtype, device=device), requests)
