@@ -25,6 +25,7 @@ from kvserve.server.responses import (
 )
 from kvserve.server.sampling import build_sampling_params, check_common_unsupported
 from kvserve.server.sse import SSEResponse, event
+from kvserve.server.stop_limits import check_stop_limits
 from kvserve.server.stream_state import StreamState, final_usage
 
 router = APIRouter()
@@ -37,6 +38,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest, ctx.settings.max_request_bytes)
     model = ctx.resolve_model(body.model)
     check_unsupported(body)
+    check_stop_limits(body, ctx.vocab_size)
     prompt = await asyncio.to_thread(_tokenize, ctx, body)
     job = await submit(ctx, [prompt], [_params(ctx, body, prompt)], body.cache_salt, "chatcmpl",
                        session_of(request, body))

@@ -28,6 +28,7 @@ from kvserve.server.responses import (
 )
 from kvserve.server.sampling import build_sampling_params, check_common_unsupported
 from kvserve.server.sse import SSEResponse, event
+from kvserve.server.stop_limits import check_stop_limits
 from kvserve.server.stream_state import StreamState, final_usage
 
 router = APIRouter()
@@ -39,6 +40,7 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest, ctx.settings.max_request_bytes)
     model = ctx.resolve_model(body.model)
     check_unsupported(body)
+    check_stop_limits(body, ctx.vocab_size)
     prompts = await asyncio.to_thread(_tokenize, ctx, body)
     params = [_params(ctx, body, prompt) for prompt in prompts]
     job = await submit(ctx, prompts, params, body.cache_salt, "cmpl", session_of(request, body))
