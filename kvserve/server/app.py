@@ -18,6 +18,7 @@ from kvserve.server.errors import install_error_handlers
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.metrics import build_metrics
 from kvserve.server.request_log import RequestLog, pool_geometry
+from kvserve.server.request_log_metrics import RequestLogCollector
 from kvserve.server.sampling import model_sampling_defaults
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stats_logger import log_stats_forever
@@ -35,6 +36,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         token_texts=TokenTexts(engine.engine.tokenizer),
         created=int(time.time()),
     )
+    registry.register(RequestLogCollector(lambda: ctx.request_log, settings.model_name))
     app = FastAPI(title="kvserve", version=__version__, lifespan=_lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
