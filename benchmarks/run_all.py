@@ -446,8 +446,18 @@ def write_results_md(results: SuiteResults, out: Path, command: str) -> Path:
             "Each run's JSON is in `results/`; compare any two with "
             "`kvserve bench compare results/kvserve-off-shared.json results/kvserve-on-shared.json`.\n")
     path = out / "RESULTS.md"
-    path.write_text(text)
+    path.write_text(text + kept_by_hand(path))
     return path
+
+
+# Figures measured by hand (one benchmark script at a time) follow this line in RESULTS.md; a rerun keeps them.
+HAND_MARKER = "<!-- run_all.py keeps everything below this line when it rewrites this file -->"
+
+
+def kept_by_hand(path: Path) -> str:
+    """The hand-measured part of an existing RESULTS.md, from HAND_MARKER on ("" when there is none)."""
+    old = path.read_text() if path.is_file() else ""
+    return "\n" + old[old.index(HAND_MARKER):] if HAND_MARKER in old else ""
 
 
 # ---- main ----------------------------------------------------------------------------------------------------

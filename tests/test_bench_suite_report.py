@@ -56,3 +56,15 @@ def test_results_md_has_every_section_and_its_plots(tmp_path):
     assert "Not on PATH" in text and "torch" in text
     images = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert len(images) == 7 and all((tmp_path / image).is_file() for image in images)
+
+
+def test_a_rerun_keeps_the_figures_measured_by_hand(tmp_path):
+    suite = load_suite()
+    results = suite.SuiteResults(suite.machine_info(), suite.QUICK, quick=True)
+    hand = f"{suite.HAND_MARKER}\n\n## 7. Measured by hand\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+    (tmp_path / "RESULTS.md").write_text("# old suite run\n\n## 1. stale figures\n\n" + hand)
+    text = suite.write_results_md(results, tmp_path, "python benchmarks/run_all.py --quick").read_text()
+    assert "stale figures" not in text and "## Machine" in text
+    assert text.endswith(hand) and text.count(suite.HAND_MARKER) == 1
+    # The repository's own RESULTS.md has the marker, so its hand-measured sections survive a rerun.
+    assert suite.HAND_MARKER in (SUITE.parent / "RESULTS.md").read_text()

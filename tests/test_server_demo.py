@@ -1,5 +1,5 @@
-"""End to end on the real demo model (SmolLM2-135M-Instruct), when its package is installed: the README's
-quickstart answers sensibly through the official client."""
+"""End to end on the real demo model (SmolLM2-135M-Instruct), when its package is installed: the quickstart
+(README, docs/index.md) answers sensibly through the official client."""
 
 from importlib import metadata
 
