@@ -14,7 +14,8 @@ from kvserve.gateway.backends import BadBackendURL, normalize_backend_url
 from kvserve.gateway.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvserve.gateway.hashring import HashRing, bounded_owner, share_capacity
 from kvserve.gateway.keys import create_key, hash_key, key_id_of, verify_key
-from kvserve.gateway.limits import admit, add_tokens
+from kvserve.gateway.limits import admit
+from kvserve.gateway.token_budget import TokenCost
 from kvserve.gateway.prefix import longest_match, prefix_block_hashes
 from kvserve.gateway.store import SQLiteStore, StoreLimits
 from kvserve.gateway.stream import StreamTap, sse_events
@@ -215,14 +216,14 @@ def test_rate_windows_count_requests_and_tokens_per_minute(store):
     async def scenario():
         _, key = await create_key(store, "limited", requests_per_minute=2, tokens_per_minute=100)
         start = 6000.0  # the start of a window
-        first = await admit(store, key, now=start)
-        second = await admit(store, key, now=start + 1)
-        third = await admit(store, key, now=start + 2)
+        cost = TokenCost(prompt_tokens=10, completion_tokens=20)
+        first = await admit(store, key, cost, now=start)
+        second = await admit(store, key, cost, now=start + 1)
+        third = await admit(store, key, cost, now=start + 2)
         assert (first.exceeded, second.exceeded, third.exceeded) == (None, None, "requests")
         assert third.headers()["x-ratelimit-reset-requests"] == "58s"
-        assert (await admit(store, key, now=start + 60)).exceeded is None  # a new window
-        await add_tokens(store, key, 100, now=start + 61)
-        assert (await admit(store, key, now=start + 62)).exceeded == "tokens"
+        assert (await admit(store, key, cost, now=start + 60)).exceeded is None  # a new window: 30 reserved
+        assert (await admit(store, key, TokenCost(10, 61), now=start + 62)).exceeded == "tokens"  # 30 + 71 > 100
 
     asyncio.run(scenario())
 
@@ -355,14 +356,15 @@ def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
         await store.prefix_record(["h3"], "http://b")
         await store.prefix_expire("http://b", time.time() + 60)  # b's entries are gone from its cache
         full = StateQuery(key_id="k1", requests_counter="k1:requests:7", tokens_counter="k1:tokens:7",
-                          counter_ttl_s=65, session_id="s1", conversation_id="u/c1",
-                          prefix_hashes=["h1", "h2", "h3", "h4"])
+                          tokens_limit=100, tokens_cost=TokenCost(10, 20), counter_ttl_s=65, session_id="s1",
+                          conversation_id="u/c1", prefix_hashes=["h1", "h2", "h3", "h4"])
         states = [await store.read_request_state(full), await store.read_request_state(full),
+                  await store.read_request_state(full),
                   await store.read_request_state(StateQuery(key_id="nobody", session_id="s2", prefix_hashes=["h9"])),
                   await store.read_request_state(StateQuery())]
         await store.close()
-        return [(s.key_record, s.requests_used, s.tokens_used, s.session_backend, s.conversation,
-                 [e and e[0] for e in s.prefix_entries]) for s in states]
+        return [(s.key_record, s.requests_used, s.tokens_used, s.tokens_reserved, s.session_backend,
+                 s.conversation, [e and e[0] for e in s.prefix_entries]) for s in states]
 
     try:
         from_redis = asyncio.run(scenario(RedisStore(redis.url, StoreLimits())))
@@ -372,6 +374,9 @@ def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
     assert from_redis == from_sqlite
     record = {"key_id": "k1", "created_at": 1}
     conversation = [{"role": "user", "content": "hi"}]
-    assert from_redis == [(record, 1, 40, "http://a", conversation, ["http://a", "http://a", None, None]),
-                          (record, 2, 40, "http://a", conversation, ["http://a", "http://a", None, None]),
-                          (None, 0, 0, None, [], [None]), (None, 0, 0, None, [], [])]
+    entries = ["http://a", "http://a", None, None]
+    # Each full read reserves 30 tokens of the 100 (40 used before): the third would pass the limit, refused.
+    assert from_redis == [(record, 1, 70, 30, "http://a", conversation, entries),
+                          (record, 2, 100, 30, "http://a", conversation, entries),
+                          (record, 3, 100, 0, "http://a", conversation, entries),
+                          (None, 0, 0, 0, None, [], [None]), (None, 0, 0, 0, None, [], [])]

@@ -135,7 +135,7 @@ def test_the_completion_routes_fast_path_answers_like_fastapi(tmp_path, monkeypa
         assert "not allowed" in assert_envelope(wrong_method, 405)["message"]
         assert assert_envelope(httpx.post(f"{gateway.base_url}/completions/x", timeout=10), 404)
         not_json = httpx.post(f"{gateway.base_url}/chat/completions", content=b"{", timeout=10)
-        assert assert_envelope(not_json, 400)["message"] == "the request body is not valid JSON"
+        assert assert_envelope(not_json, 400)["message"].startswith("the request body is not valid JSON")
 
         async def broken(*args, **kwargs):
             raise RuntimeError("a bug")

@@ -12,11 +12,13 @@ import asyncio
 import os
 import sys
 
+from kvserve.gateway.cache_scope import CACHE_SHARING
 from kvserve.gateway.backends import BadBackendURL, normalize_backend_url
 from kvserve.gateway.proxy import RetryPolicy
 from kvserve.gateway.routing import POLICIES, RoutingConfig
 from kvserve.gateway.settings import DEFAULT_STATE_PATH, GatewaySettings
 from kvserve.gateway.store import StoreLimits, StoreUnavailable, open_store
+from kvserve.server.settings import DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversation-ttl", type=int, default=86400, help="seconds a conversation is kept")
     parser.add_argument("--conversation-max-messages", type=int, default=256)
     parser.add_argument("--session-ttl", type=int, default=86400, help="seconds an idle session keeps its backend")
+    parser.add_argument("--cache-sharing", choices=CACHE_SHARING, default="key",
+                        help="key: each API key hits only its own prefix cache and prefix routes, so no tenant can "
+                             "probe another's prompts (default); global: one cache for all, for trusted tenants")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest accepted request body, as the server's flag; bigger ones get 413 before "
+                             f"they are read (default {DEFAULT_MAX_REQUEST_BYTES})")
     parser.add_argument("--log-level", default="info")
     keys = parser.add_subparsers(dest="gateway_command", metavar="{keys}")
     keys_parser = keys.add_parser("keys", help="create, revoke and list the gateway's API keys")
@@ -103,6 +111,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         raise StartupError("--load-factor must be at least 1")
     if args.rebalance_ratio < 0 or 0 < args.rebalance_ratio <= 1:
         raise StartupError("--rebalance-ratio must be 0 (off) or over 1")
+    if args.max_request_bytes < 1:
+        raise StartupError("--max-request-bytes must be at least 1")
     if args.max_attempts < 1:
         raise StartupError("--max-attempts must be at least 1")
     backends = list(dict.fromkeys(normalize_backend_url(url) for url in args.backend))
@@ -115,7 +125,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         store_limits=StoreLimits(session_ttl_s=args.session_ttl, conversation_ttl_s=args.conversation_ttl,
                                  conversation_max_messages=args.conversation_max_messages),
         health_interval_s=args.health_interval, breaker_failures=args.breaker_failures,
-        breaker_open_s=args.breaker_open_seconds,
+        breaker_open_s=args.breaker_open_seconds, max_request_bytes=args.max_request_bytes,
+        cache_sharing=args.cache_sharing,
     )
 
 

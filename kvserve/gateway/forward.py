@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from kvserve.gateway import limits
 from kvserve.gateway.backends import Backend
+from kvserve.gateway.cache_scope import cache_salt_for
 from kvserve.gateway.conversation import (
     ConversationTurn, answer_of, put_history_first, record_turn, take_conversation,
 )
@@ -26,11 +27,13 @@ from kvserve.gateway.limits import LimitState
 from kvserve.gateway.metrics import BACKEND_ERROR, CLIENT_ERROR, CLIENT_GONE, SUCCESS, UNAVAILABLE, GatewayMetrics
 from kvserve.gateway.prefix import cache_counts, prefix_block_hashes
 from kvserve.gateway.proxy import Upstream, UpstreamFailed, open_upstream
+from kvserve.gateway.request_body import read_completion_body, upstream_content
 from kvserve.gateway.request_state import RequestState, StateQuery
 from kvserve.gateway.routing import Router
 from kvserve.gateway.settings import GatewaySettings
-from kvserve.gateway.store import Store, StoreUnavailable
+from kvserve.gateway.store import Store, StoreUnavailable, spawn
 from kvserve.gateway.stream import StreamTap, UpstreamStreamResponse, sse_events
+from kvserve.gateway.token_budget import TokenCost, TokenReservation, estimated_chat_tokens, request_cost
 from kvserve.server.auth import bearer_token
 from kvserve.server.errors import SERVER_ERROR, APIError, bad_request
 from kvserve.server.sse import SSE_HEADERS
@@ -64,6 +67,7 @@ class Exchange:
     turn: ConversationTurn | None
     session_id: str | None
     block_hashes: list[str]  # the prompt's blocks as sent (history included), for the prefix index
+    reservation: TokenReservation | None = None  # the key's tokens/min taken at admission, settled at the end
 
     def response_headers(self, upstream: Upstream) -> dict[str, str]:
         headers = {BACKEND_HEADER: upstream.backend.url, ROUTE_HEADER: upstream.decision.reason}
@@ -121,49 +125,48 @@ def _unauthorized(gateway: Gateway) -> APIError:
                     "'Authorization: Bearer <key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def check_limits(gateway: Gateway, key: KeyRecord, state: RequestState, reset_s: float) -> LimitState:
+def check_limits(gateway: Gateway, key: KeyRecord, state: RequestState, reset_s: float,
+                 cost: TokenCost) -> LimitState:
     limit = limits.limit_state(key, state, reset_s)
     exceeded = limit.exceeded
     if exceeded is not None:
         gateway.metrics.rejected.labels(f"rate_limit_{exceeded}").inc()
         allowed = limit.requests_limit if exceeded == "requests" else limit.tokens_limit
-        raise APIError(429, f"Rate limit reached for key {key.key_id} on {exceeded} per minute: limit {allowed}. "
-                       f"Try again in {math.ceil(limit.reset_s)}s.", type=exceeded, code="rate_limit_exceeded",
+        # OpenAI's wording for a request no window could take, so a client does not retry it for ever.
+        too_large = exceeded == "tokens" and cost.wanted > allowed
+        message = (f"Request too large for key {key.key_id} on tokens per minute: limit {allowed}, requested at "
+                   f"least {cost.wanted} (prompt estimated from its bytes, plus max_tokens)." if too_large else
+                   f"Rate limit reached for key {key.key_id} on {exceeded} per minute: limit {allowed}. "
+                   f"Try again in {math.ceil(limit.reset_s)}s.")
+        raise APIError(429, message, type=exceeded, code="rate_limit_exceeded",
                        headers={**limit.headers(), "Retry-After": str(math.ceil(limit.reset_s))})
     return limit
-
-
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise bad_request("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
 
 
 async def forward_completion(gateway: Gateway, request: Request, path: str, chat: bool) -> Response:
     presented = await key_verified_before(gateway, request)
     key = presented[1] if presented else None
-    raw = await request.body()
-    body = parse_body(raw)
+    raw, body, fields = await read_completion_body(request, gateway.settings.max_request_bytes, chat)
     if "conversation" in body and not chat:
         raise bad_request("conversation is only for /v1/chat/completions", param="conversation")
     turn = take_conversation(body, key.key_id if key else None) if chat else None
     session_id = turn.session_id if turn else _header_session(request) or _user_of(body)
-    block_hashes = [] if turn else prefix_block_hashes(body, gateway.settings.prefix_block_chars)
-    state, key, limit = await _read_state(gateway, presented, turn, session_id, block_hashes)
+    salt = cache_salt_for(key, fields.cache_salt, gateway.settings.cache_sharing)
+    block_hashes = [] if turn else prefix_block_hashes(body, gateway.settings.prefix_block_chars, salt)
+    state, key, limit, reservation = await _read_state(gateway, presented, turn, session_id, block_hashes,
+                                                       request_cost(body, chat))
     if turn:
         put_history_first(body, turn, state.conversation)
-        block_hashes = prefix_block_hashes(body, gateway.settings.prefix_block_chars)
-    stream = bool(body.get("stream"))
+        block_hashes = prefix_block_hashes(body, gateway.settings.prefix_block_chars, salt)
+        if reservation is not None:  # admission counted the new messages; the history is known only now
+            await limits.charge_more(gateway.store, reservation, estimated_chat_tokens(state.conversation))
+    stream = bool(fields.stream)
     drop_usage = stream and key is not None and key.tokens_per_minute > 0 and not _asked_usage(body)
     if drop_usage:  # the gateway must count this stream's tokens; the client did not ask to see them
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    # The client's bytes as they came unless the gateway changed the body: no second serialization.
-    content = raw if turn is None and not drop_usage else json.dumps(body, ensure_ascii=False).encode()
-    exchange = Exchange(path, body, key, limit, turn, session_id, block_hashes)
+    content = upstream_content(raw, body, turn is not None or drop_usage,
+                               salt if salt != fields.cache_salt else None)
+    exchange = Exchange(path, body, key, limit, turn, session_id, block_hashes, reservation)
     upstream = await _open(gateway, exchange, content, state)
     if stream and upstream.response.status == 200:
         return _stream_response(gateway, exchange, upstream, StreamTap(drop_usage_event=drop_usage))
@@ -171,21 +174,26 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
 
 
 async def _read_state(gateway: Gateway, presented: tuple[str, KeyRecord] | None, turn: ConversationTurn | None,
-                      session_id: str | None, block_hashes: list[str]
-                      ) -> tuple[RequestState, KeyRecord | None, LimitState | None]:
-    """The one store round trip before routing, and what it decides: (state, the key as stored now, its limits);
-    a 401 if the key was revoked meanwhile, a 429 over its limits."""
+                      session_id: str | None, block_hashes: list[str], cost: TokenCost
+                      ) -> tuple[RequestState, KeyRecord | None, LimitState | None, TokenReservation | None]:
+    """The one store round trip before routing, and what it decides: (state, the key as stored now, its limits,
+    the tokens reserved for the request); a 401 if the key was revoked meanwhile, a 429 over its limits."""
     key = presented[1] if presented else None
     query = StateQuery(key_id=key.key_id if key else None, session_id=session_id,
                        conversation_id=turn.conversation_id if turn else None)
-    reset_s = limits.ask_limits(query, key) if key else 0.0
+    reset_s = limits.ask_limits(query, key, cost) if key else 0.0
     if gateway.router.wants_prefix_lookup(session_id):
         query.prefix_hashes = block_hashes
     state = await gateway.store.read_request_state(query)
     if presented is None:
-        return state, None, None
-    key = recheck_key(gateway, presented[0], state)
-    return state, key, check_limits(gateway, key, state, reset_s)
+        return state, None, None, None
+    reservation = limits.reservation_of(query, state)
+    try:
+        key = recheck_key(gateway, presented[0], state)
+        return state, key, check_limits(gateway, key, state, reset_s, cost), reservation
+    except APIError:
+        _refund(gateway, reservation)  # refused: nothing will be served
+        raise
 
 
 async def _open(gateway: Gateway, exchange: Exchange, content: bytes, known: RequestState) -> Upstream:
@@ -195,6 +203,7 @@ async def _open(gateway: Gateway, exchange: Exchange, content: bytes, known: Req
                                    exchange.path, content, headers, exchange.session_id, exchange.block_hashes,
                                    known)
     except UpstreamFailed as exc:
+        _refund(gateway, exchange.reservation)  # no backend took it: nothing was served
         gateway.metrics.requests.labels("none", UNAVAILABLE).inc()
         raise APIError(503, f"no backend could take the request: {exc}", type=SERVER_ERROR,
                        code="no_backend_available", headers={"Retry-After": "1"}) from None
@@ -214,14 +223,15 @@ async def _whole_response(gateway: Gateway, exchange: Exchange, upstream: Upstre
     finally:
         await upstream.close()
     status = upstream.response.status
-    count_tokens = None
     if status == 200:
         completion = _json_or_none(content)
         _observe_cache(gateway, exchange, upstream, (completion or {}).get("usage"))
         await _record_turn(gateway, exchange, answer_of(completion) if completion else None)
         # Counted once the answer is sent (a store round trip the client need not wait for); the next
         # turn of a conversation, by contrast, must find this one stored, so that is awaited above.
-        count_tokens = BackgroundTask(_count_tokens, gateway, exchange, _total_tokens(completion))
+        count_tokens = BackgroundTask(_settle_tokens, gateway, exchange, _total_tokens(completion))
+    else:  # the backend refused it or failed: no tokens were served
+        count_tokens = BackgroundTask(_settle_tokens, gateway, exchange, 0)
     gateway.metrics.requests.labels(upstream.backend.url, _outcome(status)).inc()
     media_type = upstream.response.headers.get("content-type", "application/json")
     return Response(content, status_code=status, media_type=media_type, headers=exchange.response_headers(upstream),
@@ -250,11 +260,11 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
         if outcome[0] == BACKEND_ERROR:
             upstream.backend.breaker.on_failure()
         gateway.metrics.requests.labels(upstream.backend.url, outcome[0]).inc()
+        await _settle_tokens(gateway, exchange, _stream_tokens(exchange, tap))
         if tap.done:
             _observe_cache(gateway, exchange, upstream, tap.usage)
             try:
                 await _record_turn(gateway, exchange, tap.text)
-                await _count_tokens(gateway, exchange, tap.total_tokens)
             except StoreUnavailable as exc:  # the answer has reached the client; only the record is lost
                 logger.warning("could not store a streamed turn: %s", exc)
 
@@ -272,12 +282,29 @@ async def _record_turn(gateway: Gateway, exchange: Exchange, answer: str | None)
         await record_turn(gateway.store, exchange.turn, answer)
 
 
-async def _count_tokens(gateway: Gateway, exchange: Exchange, total_tokens: int) -> None:
-    if exchange.key is not None:
+async def _settle_tokens(gateway: Gateway, exchange: Exchange, used_tokens: int | None) -> None:
+    """`used_tokens` None: the answer said nothing of its usage, so the reservation stands."""
+    if exchange.reservation is not None and used_tokens is not None:
         try:
-            await limits.add_tokens(gateway.store, exchange.key, total_tokens)
-        except StoreUnavailable as exc:  # after the answer: the count is lost, the answer was not
-            logger.warning("could not count a request's tokens: %s", exc)
+            await limits.settle(gateway.store, exchange.reservation, used_tokens)
+        except StoreUnavailable as exc:  # after the answer: the reservation stands, the answer was not lost
+            logger.warning("could not settle a request's tokens: %s", exc)
+
+
+def _refund(gateway: Gateway, reservation: TokenReservation | None) -> None:
+    """Gives back what a request that will be served nothing reserved (in the background: it is answered now)."""
+    if reservation is not None:
+        spawn(limits.settle(gateway.store, reservation, 0))
+
+
+def _stream_tokens(exchange: Exchange, tap: StreamTap) -> int | None:
+    """A stream's tokens: its usage when it came; else (cut short) its prompt and the text chunks sent, within
+    what was reserved."""
+    if tap.usage is not None:
+        return tap.total_tokens
+    if exchange.reservation is None:
+        return None
+    return min(exchange.reservation.reserved, exchange.reservation.prompt_tokens + tap.text_chunks)
 
 
 def _outcome(status: int) -> str:
@@ -308,6 +335,7 @@ def _json_or_none(content: bytes) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
-def _total_tokens(completion: dict | None) -> int:
+def _total_tokens(completion: dict | None) -> int | None:
     usage = (completion or {}).get("usage")
-    return int(usage.get("total_tokens") or 0) if isinstance(usage, dict) else 0
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) and total >= 0 else None

@@ -1,7 +1,9 @@
 """Per-key requests/min and tokens/min in fixed one-minute windows, counted in the store (so every replica
 counts the same requests). A request is refused when the window's request count would pass the limit, or when
-the window's tokens already reached it (tokens are only known once the backend answers, so they are added
-after; a request may take the window past its token limit, the next one waits)."""
+the tokens it may cost (token_budget: its prompt and max_tokens) would take the window's tokens past theirs:
+those are reserved as it is admitted, in the same atomic store call, so a burst sent at once cannot all get in.
+Once the answer shows what it used the reservation is settled to that; a stream the client left is charged
+what was sent."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from kvserve.gateway.keys import KeyRecord
 from kvserve.gateway.request_state import RequestState, StateQuery
 from kvserve.gateway.store import Store
+from kvserve.gateway.token_budget import TokenCost, TokenReservation
 
 WINDOW_S = 60
 
@@ -23,12 +26,13 @@ class LimitState:
     tokens_limit: int
     tokens_used: int
     reset_s: float
+    tokens_refused: bool = False  # this request's tokens would pass the limit
 
     @property
     def exceeded(self) -> str | None:
         if self.requests_limit and self.requests_used > self.requests_limit:
             return "requests"
-        if self.tokens_limit and self.tokens_used >= self.tokens_limit:
+        if self.tokens_limit and self.tokens_refused:
             return "tokens"
         return None
 
@@ -52,30 +56,51 @@ def _window(now: float) -> tuple[int, float]:
     return window, (window + 1) * WINDOW_S - now
 
 
-def ask_limits(query: StateQuery, key: KeyRecord, now: float | None = None) -> float:
-    """Adds the key's window counters to `query` (this request counted); returns the seconds the window has left."""
+def ask_limits(query: StateQuery, key: KeyRecord, cost: TokenCost, now: float | None = None) -> float:
+    """Adds the key's window counters to `query` (this request counted, its tokens reserved); returns the seconds
+    the window has left."""
     window, reset_s = _window(time.time() if now is None else now)
+    query.counter_ttl_s = WINDOW_S + 5
     if key.requests_per_minute:
         query.requests_counter = f"{key.key_id}:requests:{window}"
-        query.counter_ttl_s = WINDOW_S + 5
     if key.tokens_per_minute:
         query.tokens_counter = f"{key.key_id}:tokens:{window}"
+        query.tokens_limit = key.tokens_per_minute
+        query.tokens_cost = cost
     return reset_s
 
 
 def limit_state(key: KeyRecord, state: RequestState, reset_s: float) -> LimitState:
-    return LimitState(key.requests_per_minute, state.requests_used, key.tokens_per_minute, state.tokens_used, reset_s)
+    refused = bool(key.tokens_per_minute) and state.tokens_reserved == 0
+    return LimitState(key.requests_per_minute, state.requests_used, key.tokens_per_minute, state.tokens_used,
+                      reset_s, refused)
 
 
-async def admit(store: Store, key: KeyRecord, now: float | None = None) -> LimitState:
+def reservation_of(query: StateQuery, state: RequestState) -> TokenReservation | None:
+    if query.tokens_counter is None or not state.tokens_reserved:
+        return None
+    return TokenReservation(query.tokens_counter, state.tokens_reserved, query.tokens_cost.prompt_tokens)
+
+
+async def admit(store: Store, key: KeyRecord, cost: TokenCost, now: float | None = None) -> LimitState:
     """Counts this request in its window and says where the key stands (alone; a completion asks it together
     with the rest of its state)."""
     query = StateQuery()
-    reset_s = ask_limits(query, key, now)
+    reset_s = ask_limits(query, key, cost, now)
     return limit_state(key, await store.read_request_state(query), reset_s)
 
 
-async def add_tokens(store: Store, key: KeyRecord, num_tokens: int, now: float | None = None) -> None:
-    if key.tokens_per_minute and num_tokens > 0:
-        window, _ = _window(time.time() if now is None else now)
-        await store.counter_add(f"{key.key_id}:tokens:{window}", num_tokens, WINDOW_S + 5)
+async def settle(store: Store, reservation: TokenReservation, used_tokens: int) -> None:
+    """The window is charged `used_tokens` for a request that reserved `reservation.reserved` (in the window it
+    was admitted in, whenever it ends)."""
+    if used_tokens != reservation.reserved:
+        await store.counter_add(reservation.counter, used_tokens - reservation.reserved, WINDOW_S + 5)
+        reservation.reserved = used_tokens
+
+
+async def charge_more(store: Store, reservation: TokenReservation, extra_tokens: int) -> None:
+    """Adds to a reservation what admission could not know (a conversation's stored history)."""
+    if extra_tokens > 0:
+        await store.counter_add(reservation.counter, extra_tokens, WINDOW_S + 5)
+        reservation.reserved += extra_tokens
+        reservation.prompt_tokens += extra_tokens

@@ -24,10 +24,13 @@ def canonical_prompt(body: dict) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
 
 
-def prefix_block_hashes(body: dict, block_chars: int = DEFAULT_BLOCK_CHARS) -> list[str]:
-    """Chained hashes of the full blocks of the prompt, salted with the model so two models never share."""
+def prefix_block_hashes(body: dict, block_chars: int = DEFAULT_BLOCK_CHARS,
+                        cache_salt: str | None = None) -> list[str]:
+    """Chained hashes of the full blocks of the prompt, salted with the model so two models never share, and with
+    the request's cache salt as the backend's blocks are (one key's prompts never route another's)."""
     text = canonical_prompt(body)
-    parent = hashlib.blake2b(str(body.get("model")).encode(), digest_size=16).digest()
+    scope = str(body.get("model")) if cache_salt is None else f"{body.get('model')}\0{cache_salt}"
+    parent = hashlib.blake2b(scope.encode(), digest_size=16).digest()
     hashes: list[str] = []
     for start in range(0, min(len(text), block_chars * MAX_BLOCKS) - block_chars + 1, block_chars):
         parent = hashlib.blake2b(parent + text[start:start + block_chars].encode(), digest_size=16).digest()

@@ -9,6 +9,7 @@ from kvserve.gateway.prefix import DEFAULT_BLOCK_CHARS
 from kvserve.gateway.proxy import RetryPolicy
 from kvserve.gateway.routing import RoutingConfig
 from kvserve.gateway.store import StoreLimits
+from kvserve.server.settings import DEFAULT_MAX_REQUEST_BYTES
 
 DEFAULT_STATE_PATH = os.path.join(os.path.expanduser("~"), ".local", "state", "kvserve", "gateway.sqlite3")
 
@@ -30,6 +31,8 @@ class GatewaySettings:
     prefix_block_chars: int = DEFAULT_BLOCK_CHARS
     connect_timeout_s: float = 2.0
     upstream_timeout_s: float = 600.0  # between bytes of a backend's answer, as a long prefill may take
+    cache_sharing: str = "key"  # cache_scope: each key its own prefix cache, or "global"
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a bigger body is a 413 before it is read
 
     def backend_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.backend_api_key}"} if self.backend_api_key else {}

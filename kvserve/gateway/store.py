@@ -19,6 +19,7 @@ Failures of the store raise `StoreUnavailable`, which the app answers with a 503
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sqlite3
@@ -81,8 +82,10 @@ def open_store(redis_url: str | None, state_path: str, limits: StoreLimits | Non
 
 # read_request_state's commands, those its query asks for, in this order. KEYS: the keys hash, the requests
 # counter, the tokens counter, the session, the conversation, the prefix entries and the horizons hash, each
-# only when asked. ARGV: the key id or '', the requests counter's TTL or '', then 1/0 for the tokens counter,
-# the session and the conversation, then how many prefix entries. A missing value comes back as nil.
+# only when asked. ARGV: the key id or '', the requests counter's TTL or '', the tokens limit or '', 1/0 for
+# the session and the conversation, how many prefix entries, then the tokens wanted, 1/0 for taking the rest
+# of the window and the tokens counter's TTL. A missing value comes back as nil. The tokens counter answers
+# {used, reserved}: reserved 0 when the request's tokens would pass the limit (nothing is added then).
 READ_STATE_SCRIPT = """
 local out, next_key = {}, 1
 local function key()
@@ -95,7 +98,18 @@ if ARGV[2] ~= '' then
   out[#out + 1] = redis.call('INCRBY', counter, 1)
   redis.call('EXPIRE', counter, ARGV[2])
 end
-if ARGV[3] == '1' then out[#out + 1] = redis.call('GET', key()) end
+if ARGV[3] ~= '' then
+  local counter, limit, wanted = key(), tonumber(ARGV[3]), tonumber(ARGV[7])
+  local used = tonumber(redis.call('GET', counter) or '0')
+  if used + wanted > limit then
+    out[#out + 1] = {used, 0}
+  else
+    local reserved = wanted
+    if ARGV[8] == '1' then reserved = limit - used end
+    out[#out + 1] = {redis.call('INCRBY', counter, reserved), reserved}
+    redis.call('EXPIRE', counter, ARGV[9])
+  end
+end
 if ARGV[4] == '1' then out[#out + 1] = redis.call('GET', key()) end
 if ARGV[5] == '1' then out[#out + 1] = redis.call('LRANGE', key(), 0, -1) end
 local num_prefixes = tonumber(ARGV[6])
@@ -243,9 +257,12 @@ class RedisStore:
         if query.prefix_hashes:
             keys += [f"{PREFIX}prefix:{h}" for h in query.prefix_hashes]
             keys.append(f"{PREFIX}horizons")
+        cost = query.tokens_cost
         flags = [query.key_id or "", query.counter_ttl_s if query.requests_counter is not None else "",
-                 int(query.tokens_counter is not None), int(query.session_id is not None),
-                 int(query.conversation_id is not None), len(query.prefix_hashes)]
+                 query.tokens_limit if query.tokens_counter is not None else "", int(query.session_id is not None),
+                 int(query.conversation_id is not None), len(query.prefix_hashes),
+                 cost.wanted if cost else 0, int(cost is not None and cost.completion_tokens is None),
+                 query.counter_ttl_s]
         results = iter(await self._call(self._read_state(keys=keys, args=flags)))
         state = RequestState()
         if query.key_id is not None:
@@ -254,7 +271,7 @@ class RedisStore:
         if query.requests_counter is not None:
             state.requests_used = int(next(results))
         if query.tokens_counter is not None:
-            state.tokens_used = int(next(results) or 0)
+            state.tokens_used, state.tokens_reserved = (int(value) for value in next(results))
         if query.session_id is not None:
             state.session_backend = next(results)
             if state.session_backend is not None and self.recent.due(query.session_id, state.session_backend):
@@ -357,22 +374,30 @@ class SQLiteStore:
 
     async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None:
         now = time.time()
+        with self._transaction():
+            (last,) = self.db.execute("SELECT coalesce(max(seq), -1) FROM messages WHERE conversation_id = ?",
+                                      (conversation_id,)).fetchone()
+            rows = [(conversation_id, last + 1 + i, json.dumps(m, ensure_ascii=False), now)
+                    for i, m in enumerate(messages)]
+            self.db.executemany("INSERT INTO messages VALUES (?, ?, ?, ?)", rows)
+            newest = last + len(messages)
+            self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND seq <= ?",
+                            (conversation_id, newest - self.limits.conversation_max_messages))
+            # The TTL runs from the last turn, as Redis's EXPIRE on every append does.
+            self.db.execute("UPDATE messages SET seen = ? WHERE conversation_id = ?", (now, conversation_id))
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """BEGIN IMMEDIATE ... COMMIT under the lock; any SQLite error, a failed ROLLBACK included (a BEGIN that
+        never began has nothing to roll back), is a StoreUnavailable, never a 500."""
         with self.lock:
             try:
                 self.db.execute("BEGIN IMMEDIATE")
-                (last,) = self.db.execute("SELECT coalesce(max(seq), -1) FROM messages WHERE conversation_id = ?",
-                                          (conversation_id,)).fetchone()
-                rows = [(conversation_id, last + 1 + i, json.dumps(m, ensure_ascii=False), now)
-                        for i, m in enumerate(messages)]
-                self.db.executemany("INSERT INTO messages VALUES (?, ?, ?, ?)", rows)
-                newest = last + len(messages)
-                self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND seq <= ?",
-                                (conversation_id, newest - self.limits.conversation_max_messages))
-                # The TTL runs from the last turn, as Redis's EXPIRE on every append does.
-                self.db.execute("UPDATE messages SET seen = ? WHERE conversation_id = ?", (now, conversation_id))
+                yield
                 self.db.execute("COMMIT")
             except sqlite3.Error as exc:
-                self.db.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):
+                    self.db.execute("ROLLBACK")
                 raise StoreUnavailable(f"state file {self.path}: {exc}") from None
 
     async def counter_add(self, name: str, amount: int, ttl_s: int) -> int:
@@ -381,6 +406,20 @@ class SQLiteStore:
         rows = self._run("INSERT INTO counters VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE "
                          "SET value = value + excluded.value RETURNING value", (name, amount, now + ttl_s))
         return int(rows[0][0])
+
+    def _reserve_tokens(self, query: StateQuery) -> tuple[int, int]:
+        """(the window's tokens, what this request reserved: 0 if refused), as the Redis script decides."""
+        cost, limit, name = query.tokens_cost, query.tokens_limit, query.tokens_counter
+        with self._transaction():
+            now = time.time()
+            rows = self.db.execute("SELECT value FROM counters WHERE name = ? AND expires > ?", (name, now)).fetchall()
+            used = int(rows[0][0]) if rows else 0
+            if used + cost.wanted > limit:
+                return used, 0
+            reserved = limit - used if cost.completion_tokens is None else cost.wanted
+            self.db.execute("INSERT OR REPLACE INTO counters VALUES (?, ?, ?)",
+                            (name, used + reserved, now + query.counter_ttl_s))
+            return used + reserved, reserved
 
     async def counter_get(self, name: str) -> int:
         rows = self._run("SELECT value FROM counters WHERE name = ? AND expires > ?", (name, time.time()))
@@ -405,7 +444,7 @@ class SQLiteStore:
         if query.requests_counter is not None:
             state.requests_used = await self.counter_add(query.requests_counter, 1, query.counter_ttl_s)
         if query.tokens_counter is not None:
-            state.tokens_used = await self.counter_get(query.tokens_counter)
+            state.tokens_used, state.tokens_reserved = self._reserve_tokens(query)
         if query.session_id is not None:
             state.session_backend = await self.get_session(query.session_id)
         if query.conversation_id is not None:

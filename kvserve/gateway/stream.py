@@ -36,6 +36,7 @@ class StreamTap:
     total_tokens: int = 0
     usage: dict | None = None
     done: bool = False
+    text_chunks: int = 0  # choices' text deltas passed on (a backend streams about one token each)
 
     def read(self, event: bytes) -> bool:
         """Notes what the event carries; False when the event is to be withheld from the client."""
@@ -61,8 +62,12 @@ class StreamTap:
             self.total_tokens = int(usage.get("total_tokens") or 0)
         choices = chunk.get("choices") or []
         for choice in choices:
-            if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                self.text_parts.append(_choice_text(choice))
+            if not isinstance(choice, dict):
+                continue
+            text = _choice_text(choice)
+            self.text_chunks += bool(text)
+            if choice.get("index", 0) == 0:
+                self.text_parts.append(text)
         return not (self.drop_usage_event and usage and not choices)
 
     @property

@@ -1,0 +1,124 @@
+"""Tokens/min that hold (a real redis-server, real backends): a burst from one key is served at most its limit,
+the rest 429, because each request reserves its prompt and max_tokens as it is admitted; the reservation is
+settled to the usage afterwards, and a stream the client leaves is charged what was sent, not nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from gateway_harness import MODEL_NAME, backends_fixture, gateway_settings, needs_redis, redis_fixture, start_gateway
+from server_harness import assert_envelope, slowed, wait_until
+
+from kvserve.gateway.keys import create_key
+from kvserve.gateway.limits import WINDOW_S
+from kvserve.gateway.store import RedisStore, StoreLimits
+
+pytestmark = needs_redis
+
+backends = backends_fixture(2)
+redis = redis_fixture()
+
+
+@pytest.fixture()
+def gateway(backends, redis):
+    running = start_gateway(gateway_settings([b.url for b in backends], redis_url=redis.url, require_api_key=True))
+    yield running
+    running.stop()
+
+
+def new_key(redis, tokens_per_minute: int) -> tuple[str, str]:
+    """(key, key id), stored in the gateway's Redis."""
+    async def create():
+        store = RedisStore(redis.url, StoreLimits())
+        try:
+            key, record = await create_key(store, "tenant", tokens_per_minute=tokens_per_minute)
+        finally:
+            await store.close()
+        return key, record.key_id
+
+    return asyncio.run(create())
+
+
+def start_of_a_window() -> int:
+    """The current window, waited for if this one is nearly over (every request of a test falls in one)."""
+    if time.time() % WINDOW_S > WINDOW_S - 20:
+        time.sleep(WINDOW_S - time.time() % WINDOW_S + 0.1)
+    return int(time.time() // WINDOW_S)
+
+
+def tokens_counted(redis, key_id: str, window: int) -> int:
+    return int(redis.cli("GET", f"kvgw:counter:{key_id}:tokens:{window}").strip() or 0)
+
+
+def request_tokens(gateway, key: str, index: int) -> tuple[int, int]:
+    """(status, tokens served) of one request of the burst: odd ones streamed (usage asked), even ones whole."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"request {index}: tell me of blocks"}],
+            "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {key}"}
+    if index % 2 == 0:
+        response = httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=headers, timeout=60)
+        served = response.json()["usage"]["total_tokens"] if response.status_code == 200 else 0
+        return response.status_code, served
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json=body, headers=headers,
+                      timeout=60) as response:
+        if response.status_code != 200:
+            response.read()
+            return response.status_code, 0
+        usage = [json.loads(line[6:])["usage"] for line in response.iter_lines()
+                 if line.startswith("data: {") and '"usage":{' in line.replace(" ", "")]
+        return 200, usage[-1]["total_tokens"]
+
+
+def test_a_burst_is_served_at_most_the_tokens_per_minute_and_the_rest_get_429(gateway, redis):
+    limit = 400
+    key, key_id = new_key(redis, limit)
+    window = start_of_a_window()
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda index: request_tokens(gateway, key, index), range(16)))
+    assert int(time.time() // WINDOW_S) == window
+    statuses = [status for status, _ in results]
+    served = sum(tokens for _, tokens in results)
+    assert set(statuses) == {200, 429}, statuses
+    assert 0 < served <= limit, (served, statuses)
+    assert wait_until(lambda: tokens_counted(redis, key_id, window) == served, timeout_s=10)  # settled to usage
+
+
+def test_a_request_no_window_could_take_is_refused_as_too_large(gateway, redis):
+    key, _ = new_key(redis, 100)
+    start_of_a_window()
+    response = httpx.post(f"{gateway.base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                          timeout=30, json={"model": MODEL_NAME, "max_tokens": 500,
+                                            "messages": [{"role": "user", "content": "hi"}]})
+    error = assert_envelope(response, 429)
+    assert error["type"] == "tokens" and "too large" in error["message"]
+
+
+def test_a_stream_cut_short_is_charged_what_was_sent(gateway, backends, redis, monkeypatch):
+    for backend in backends:
+        monkeypatch.setattr(backend.engine.engine, "step", slowed(backend.engine.engine.step, 0.05))
+    key, key_id = new_key(redis, 10_000)
+    window = start_of_a_window()
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a long answer please"}],
+            "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", f"{gateway.base_url}/chat/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]  # a few chunks, then the client leaves
+    assert any(line.startswith("data: ") for line in received)
+    reserved = 16 + 8 + len("user") + len("a long answer please") + 200
+
+    def settled() -> bool:
+        return tokens_counted(redis, key_id, window) < reserved
+
+    assert wait_until(settled, timeout_s=15)
+    charged = tokens_counted(redis, key_id, window)
+    assert charged > 16 + 8 + len("a long answer please")  # its prompt and what it was sent: not nothing
