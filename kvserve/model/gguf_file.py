@@ -126,45 +126,99 @@ ARRAY_DTYPES = {
 }  # fmt: skip
 
 
+# Bounds on what a header may declare. llama.cpp's own reader has the same limits on dimensions; nested
+# arrays are rare (none in llama.cpp's writers), so a few levels are plenty and a deeper file is malformed.
+MAX_ARRAY_DEPTH = 8
+MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
+# The fewest bytes one item of each kind takes in the file: counts are checked against the bytes left
+# before anything is read or allocated, so a header cannot declare more than the file holds.
+MIN_STRING_BYTES = 8  # a uint64 length
+MIN_ARRAY_BYTES = 12  # item type (uint32) + count (uint64)
+MIN_KV_BYTES = MIN_STRING_BYTES + 4 + 1  # key, value type, the smallest value
+MIN_TENSOR_ENTRY_BYTES = MIN_STRING_BYTES + 4 + 4 + 8  # name, dimension count, type, offset
+
+
+def _min_value_bytes(value_type: int) -> int:
+    if value_type == V.STRING:
+        return MIN_STRING_BYTES
+    if value_type == V.ARRAY:
+        return MIN_ARRAY_BYTES
+    return struct.calcsize(SCALAR_FORMATS[V(value_type)])
+
+
 @dataclass(slots=True)
 class _HeaderCursor:
-    """Reads little-endian GGUF header values from a buffer, front to back."""
+    """Reads little-endian GGUF header values from a buffer, front to back. Every length and count is checked
+    against the bytes left before it is read or allocated; anything malformed raises ModelLoadError naming
+    the problem and its offset."""
 
     buffer: mmap.mmap
+    path: str = ""
     offset: int = 0
 
-    def scalar(self, fmt: str) -> Any:
+    def error(self, problem: str, offset: int | None = None) -> ModelLoadError:
+        at = self.offset if offset is None else offset
+        return ModelLoadError(f"{self.path}: corrupt GGUF header: {problem} at offset {at}")
+
+    @property
+    def remaining(self) -> int:
+        return len(self.buffer) - self.offset
+
+    def need(self, nbytes: int, what: str, offset: int | None = None) -> None:
+        if nbytes > self.remaining:
+            raise self.error(f"{what} needs {nbytes} bytes but only {max(self.remaining, 0)} are left", offset)
+
+    def scalar(self, fmt: str, what: str = "value") -> Any:
+        size = struct.calcsize(fmt)
+        self.need(size, what)
         (value,) = struct.unpack_from(fmt, self.buffer, self.offset)
-        self.offset += struct.calcsize(fmt)
+        self.offset += size
         return value
 
-    def string(self) -> str:
-        length = self.scalar("<Q")
+    def count(self, what: str, min_item_bytes: int) -> int:
+        """A uint64 count of items that take at least min_item_bytes each, checked against the bytes left."""
+        at = self.offset
+        count = self.scalar("<Q", what)
+        if count * min_item_bytes > self.remaining:
+            raise self.error(f"{what} {count} is more than the {self.remaining} bytes left can hold", at)
+        return count
+
+    def string(self, what: str = "string") -> str:
+        length = self.count(f"{what} length", 1)
         raw = self.buffer[self.offset : self.offset + length]
         self.offset += length
         # llama.cpp writes some vocabularies with bytes that are not valid UTF-8 (partial byte tokens).
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, value_type: int) -> Any:
+    def value_type(self, what: str) -> int:
+        at = self.offset
+        value_type = self.scalar("<I", what)
+        if value_type not in V._value2member_map_:
+            raise self.error(f"unknown {what} {value_type}", at)
+        return value_type
+
+    def value(self, value_type: int, depth: int = 0) -> Any:
         if value_type == V.STRING:
             return self.string()
         if value_type == V.ARRAY:
-            return self.array()
+            return self.array(depth + 1)
         value = self.scalar(SCALAR_FORMATS[V(value_type)])
         if value_type == V.FLOAT32:
             # The shortest decimal that rounds to this float32: 1e-05, as config.json said, not 9.9999997e-06.
             return float(str(np.float32(value)))
         return value
 
-    def array(self) -> list[Any]:
-        item_type = self.scalar("<I")
-        count = self.scalar("<Q")
+    def array(self, depth: int = 1) -> list[Any]:
+        if depth > MAX_ARRAY_DEPTH:
+            raise self.error(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
+        item_type = self.value_type("array item type")
+        count = self.count("array count", _min_value_bytes(item_type))
         if item_type in ARRAY_DTYPES:
             dtype = np.dtype(ARRAY_DTYPES[V(item_type)])
             raw = self.buffer[self.offset : self.offset + count * dtype.itemsize]
             self.offset += count * dtype.itemsize
             return np.frombuffer(raw, dtype=dtype).tolist()
-        return [self.value(item_type) for _ in range(count)]
+        return [self.value(item_type, depth) for _ in range(count)]
 
 
 def read_gguf(path: str) -> GGUFContents:
@@ -177,30 +231,40 @@ def read_gguf(path: str) -> GGUFContents:
         if os.fstat(file.fileno()).st_size < 4:
             raise ModelLoadError(f"{path}: not a GGUF file (empty or truncated)")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+            cursor = _HeaderCursor(buffer, path)
             try:
-                return _parse_header(path, buffer)
+                return _parse_header(path, cursor)
             except ModelLoadError:
                 raise
-            except (struct.error, IndexError, KeyError, ValueError, UnicodeDecodeError) as error:
-                raise ModelLoadError(f"{path}: truncated or corrupt GGUF header ({error})") from error
+            except (struct.error, IndexError, KeyError, ValueError, TypeError, OverflowError, UnicodeDecodeError,
+                    ZeroDivisionError, RecursionError, MemoryError) as error:  # fmt: skip
+                # A backstop: the checks above should leave nothing to come here.
+                raise cursor.error(f"{type(error).__name__}: {error}") from error
 
 
-def _parse_header(path: str, buffer: mmap.mmap) -> GGUFContents:
-    cursor = _HeaderCursor(buffer)
+def _parse_header(path: str, cursor: _HeaderCursor) -> GGUFContents:
+    buffer = cursor.buffer
     if buffer[:4] != GGUF_MAGIC:
         raise ModelLoadError(f"{path}: not a GGUF file (magic {bytes(buffer[:4])!r})")
     cursor.offset = 4
-    version = cursor.scalar("<I")
+    version = cursor.scalar("<I", "version")
     if version not in SUPPORTED_GGUF_VERSIONS:
         raise ModelLoadError(f"{path}: unsupported GGUF version {version} (kvserve reads little-endian GGUF v2 and v3)")
-    tensor_count = cursor.scalar("<Q")
-    kv_count = cursor.scalar("<Q")
+    tensor_count = cursor.scalar("<Q", "tensor count")
+    kv_count = cursor.scalar("<Q", "metadata count")
+    if kv_count * MIN_KV_BYTES > cursor.remaining:
+        raise cursor.error(f"metadata count {kv_count} is more than the {cursor.remaining} bytes left can hold", 16)
     metadata = {}
+    alignment_offset = cursor.offset
     for _ in range(kv_count):
-        key = cursor.string()
-        metadata[key] = cursor.value(cursor.scalar("<I"))
+        key = cursor.string("metadata key")
+        if key == "general.alignment":
+            alignment_offset = cursor.offset
+        metadata[key] = cursor.value(cursor.value_type(f"value type of {key!r}"))
+    if tensor_count * MIN_TENSOR_ENTRY_BYTES > cursor.remaining:
+        raise cursor.error(f"tensor count {tensor_count} is more than the {cursor.remaining} bytes left can hold")
     directory = [_read_tensor_entry(cursor) for _ in range(tensor_count)]
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = _alignment(cursor, metadata, alignment_offset)
     data_start = math.ceil(cursor.offset / alignment) * alignment
     tensors = [
         GGUFTensorInfo(name, shape, ggml_type, data_start + offset, _tensor_nbytes(shape, ggml_type))
@@ -210,12 +274,24 @@ def _parse_header(path: str, buffer: mmap.mmap) -> GGUFContents:
     return GGUFContents(path=path, version=version, metadata=metadata, tensors=tensors)
 
 
+def _alignment(cursor: _HeaderCursor, metadata: dict[str, Any], offset: int) -> int:
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise cursor.error(f"general.alignment {alignment!r} is not a positive power of two", offset)
+    return alignment
+
+
 def _read_tensor_entry(cursor: _HeaderCursor) -> tuple[str, tuple[int, ...], int, int]:
-    name = cursor.string()
-    num_dims = cursor.scalar("<I")
-    shape = tuple(cursor.scalar("<Q") for _ in range(num_dims))
-    ggml_type = cursor.scalar("<I")
-    offset = cursor.scalar("<Q")
+    entry_offset = cursor.offset
+    name = cursor.string("tensor name")
+    num_dims = cursor.scalar("<I", "dimension count")
+    if num_dims > MAX_TENSOR_DIMS:
+        raise cursor.error(f"tensor {name!r} has {num_dims} dimensions (at most {MAX_TENSOR_DIMS})", entry_offset)
+    shape = tuple(cursor.scalar("<Q", "dimension") for _ in range(num_dims))
+    ggml_type = cursor.scalar("<I", "tensor type")
+    offset = cursor.scalar("<Q", "tensor offset")
+    if offset > len(cursor.buffer):
+        raise cursor.error(f"tensor {name!r} starts at data offset {offset}, past the end of the file", entry_offset)
     return name, shape, ggml_type, offset
 
 
@@ -229,8 +305,11 @@ def _tensor_nbytes(gguf_shape: tuple[int, ...], ggml_type: int) -> int | None:
 
 def _check_tensor_bounds(path: str, tensors: list[GGUFTensorInfo], file_size: int) -> None:
     for info in tensors:
-        if info.nbytes is not None and info.data_offset + info.nbytes > file_size:
-            raise ModelLoadError(f"{path}: tensor {info.name!r} runs past the end of the file (truncated download?)")
+        if info.data_offset > file_size or (info.nbytes is not None and info.data_offset + info.nbytes > file_size):
+            raise ModelLoadError(
+                f"{path}: tensor {info.name!r} (bytes {info.data_offset}..{info.data_offset + (info.nbytes or 0)}) "
+                f"runs past the end of the file ({file_size} bytes; truncated download?)"
+            )
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
