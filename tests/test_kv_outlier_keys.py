@@ -1,6 +1,7 @@
 """Quantized KV when keys sit far from zero in a few channels, as Qwen2's k biases put them (a real Qwen2.5 has
 a channel at 317 +- 1.3 beside channels of +- 1): the per-layer key offsets keep every format's attention close
-to the unquantized one, where the same formats without them lose it (fp8 and int4 by far)."""
+to the unquantized one, where the same formats without them lose it (fp8 by far). int4 keys are scaled per
+channel over each block, so an outlier channel gets its own step and zero point: they stay close either way."""
 
 from __future__ import annotations
 
@@ -63,15 +64,20 @@ def _errors(kv_dtype, kernels):
             for offsets in (True, False)]
 
 
-# (the largest error allowed with offsets, how many times larger it is without them at least)
-BOUNDS = {"int8": (0.05, 20), "fp8_e4m3": (0.25, 10), "int4": (0.6, 5)}
+# (the largest error allowed with offsets, how many times larger it is without them at least; None: within the
+# same bound without them)
+BOUNDS = {"int8": (0.05, 20), "fp8_e4m3": (0.25, 10), "int4": (0.6, None)}
+
+
+def _check(with_offsets: float, without: float, kv_dtype: str) -> None:
+    bound, factor = BOUNDS[kv_dtype]
+    assert with_offsets < bound, (with_offsets, without)
+    assert without < bound if factor is None else without > factor * with_offsets, (with_offsets, without)
 
 
 @pytest.mark.parametrize("kv_dtype", list(BOUNDS))
 def test_key_offsets_keep_the_portable_paths_attention_close(kv_dtype):
-    with_offsets, without = _errors(kv_dtype, kernels=None)
-    bound, factor = BOUNDS[kv_dtype]
-    assert with_offsets < bound and without > factor * with_offsets, (with_offsets, without)
+    _check(*_errors(kv_dtype, kernels=None), kv_dtype)
 
 
 @FAMILIES
@@ -81,9 +87,7 @@ def test_key_offsets_keep_the_kernels_attention_close(isa, kv_dtype):
     if prefill_kernel(kernels, torch.float32, HEAD_DIM, allocate_kv_storage(1, 1, BLOCK, 1, HEAD_DIM, torch.float32,
                                                                            kv_cache_dtype=kv_dtype)[0]) is None:
         pytest.skip(f"no fp32 prefill kernel in the {isa} family")
-    with_offsets, without = _errors(kv_dtype, kernels)
-    bound, factor = BOUNDS[kv_dtype]
-    assert with_offsets < bound and without > factor * with_offsets, (with_offsets, without)
+    _check(*_errors(kv_dtype, kernels), kv_dtype)
 
 
 def test_the_offset_is_each_channels_median_after_the_first_token_in_slow_channels_only():

@@ -127,7 +127,7 @@ def test_without_a_gpu_the_models_own_figures_and_what_a_gpu_adds(capsys):
     assert "192 KiB" in _row(out, "auto (bfloat16)") and "6 GiB" in _row(out, "auto (bfloat16)")
     assert "96 KiB" in _row(out, "fp8 (fp8_e4m3)") and "3 GiB" in _row(out, "fp8 (fp8_e4m3)")
     assert "99,072 B" in _row(out, "int8") and "3.02 GiB" in _row(out, "int8")
-    assert "54 KiB" in _row(out, "int4") and "1.69 GiB" in _row(out, "int4")
+    assert "57 KiB" in _row(out, "int4") and "1.78 GiB" in _row(out, "int4")
     assert "2 (K,V) × 48 layers × 8 KV heads × 128 × 2 B = 192 KiB" in out
     hint = " ".join(out[out.index("No GPU given"):].split())
     for text in ("--gpu NAME", "--gpu-memory GIB", "KV pool", "how many requests fit", "verdict"):
@@ -142,7 +142,7 @@ def test_without_a_gpu_as_json_matches_the_plan_with_one(capsys):
     assert alone["inputs"]["max_model_len"] == 8192 and alone["model"]["max_position_embeddings"] == 32768
     by_dtype = {row["kv_cache_dtype"]: row for row in alone["kv_cache_dtypes"]}
     assert list(by_dtype) == ["auto", "fp8", "int8", "int4"]
-    assert [row["kv_bytes_per_token"] for row in by_dtype.values()] == [196_608, 98_304, 99_072, 55_296]
+    assert [row["kv_bytes_per_token"] for row in by_dtype.values()] == [196_608, 98_304, 99_072, 58_368]
     for row in by_dtype.values():
         assert row["kv_bytes_per_request_at_max_model_len"] == 8192 * row["kv_bytes_per_token"]
         assert row["kv_bytes_per_request_at_avg_context_len"] == 1008 * row["kv_bytes_per_token"]  # whole blocks
@@ -183,7 +183,7 @@ def test_compare_gpus(capsys):
 def test_compare_kv_dtypes(capsys):
     plans = _run_json(capsys, ISSUE_EXAMPLE + ["--compare", "kv-dtypes"])
     per_token = [p["kv_bytes_per_token"] for p in plans]
-    assert per_token == [196_608, 98_304, 99_072, 55_296]
+    assert per_token == [196_608, 98_304, 99_072, 58_368]
     assert main(ISSUE_EXAMPLE + ["--compare", "kv-dtypes"]) == 0
     assert "int4" in capsys.readouterr().out
 

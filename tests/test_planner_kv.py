@@ -68,7 +68,11 @@ def test_fp8_halves_and_tp2_halves_per_gpu():
 def test_int8_and_int4_include_their_scales():
     spec = registry_spec("Qwen/Qwen2.5-14B-Instruct")  # 48 layers, 8 KV heads, head_dim 128
     assert kv_bytes_per_token(spec, "int8") == 2 * 48 * 8 * (128 + 1)  # one exponent byte per vector
-    assert kv_bytes_per_token(spec, "int4") == 2 * 48 * 8 * (64 + 128 // INT4_GROUP_SIZE * KV_SCALE_BYTES)
+    # int4: V's codes and fp16 scales per token; K's codes per token and 2 bytes per channel per 16-token block
+    values = 64 + 128 // INT4_GROUP_SIZE * KV_SCALE_BYTES
+    assert kv_bytes_per_token(spec, "int4") == 48 * 8 * (values + 64 + 128 * 2 // 16)
+    assert kv_block_bytes(spec, 32, "int4") == 48 * 8 * (32 * (values + 64) + 128 * 2)
+    assert kv_bytes_per_token(spec, "bfloat16") / kv_bytes_per_token(spec, "int4") >= 3.2
 
 
 def test_kv_format_contract():
@@ -134,4 +138,5 @@ def test_explanation_shows_the_arithmetic():
         "2 (K,V) × 48 layers × 8 KV heads × 128 × 2 B = 192 KiB"
     )
     assert "4 KV heads/GPU (8 ÷ TP 2)" in explain_kv_bytes_per_token(spec, kv_format("auto"), 2)
-    assert "(128 × 0.5 B + 4 scales × 2 B)" in explain_kv_bytes_per_token(spec, kv_format("int4"))
+    assert "48 layers × 8 KV heads × (K 128 × 0.5 B + 128 × 2 B / 16-token block + V 128 × 0.5 B + 4 × 2 B)" in \
+        explain_kv_bytes_per_token(spec, kv_format("int4"))

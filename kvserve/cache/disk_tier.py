@@ -33,7 +33,7 @@ from kvserve.cache.tier_stats import TierStats
 logger = logging.getLogger("kvserve.cache")
 
 MAGIC = b"KVSBLK01"
-LAYOUT_VERSION = 2  # 2: quantized keys are stored less their layer's key offset
+LAYOUT_VERSION = 3  # 2: quantized keys are stored less their layer's key offset; 3: int4 keys per channel and block
 SUFFIX = ".kvblock"
 DEFAULT_DISK_BYTES_PER_S = 1e9  # until a read has been timed
 

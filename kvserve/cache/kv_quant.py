@@ -12,11 +12,17 @@ The formats and their byte counts are the planner's (planner/kv.py, `KVFormat`);
   8-bit float with 5 exponent and 3 mantissa bits (`encode_scale_byte`, 2^-20 to 2^11 x 1.875), absmax / 127
   rounded up to the next such value. A power-of-two byte (OCP MX's E8M0) costs up to one bit of the
   elements' precision and measured +0.14% perplexity on the demo model, 3 mantissa bits +0.0x%.
-- `int4`: two elements per byte (low nibble first), symmetric, one fp16 scale per 32 elements (absmax / 7;
-  the code is q + 8 in 1..15). Keys and values are rotated by a fixed orthogonal matrix first
-  (`rotation_matrix`): a rotation spreads a head's outlier channels over all of them, so one group's scale no
-  longer has to cover a channel 10x larger than the rest. Attention rotates the query the same way
-  (q.k is unchanged) and rotates its output back (the output is a sum of rotated values).
+- `int4`: two elements per byte. Keys and values are rotated by a fixed orthogonal matrix first
+  (`rotation_matrix`), which spreads a head's outlier channels over all of them; attention rotates the query
+  the same way (q.k is unchanged) and rotates its output back (the output is a sum of rotated values).
+  Values: symmetric, one fp16 scale per 32 elements (absmax / 7; the code is q + 8 in 1..15), low nibble
+  first. Keys (KIVI's layout): per channel over each block's tokens, because RoPE turns a channel pair slowly
+  with position, so a channel varies little within a block while channels differ a lot from each other. Each
+  (block, KV head, channel) has a step (the int8 scale byte, below) and an int8 zero point z: a key element is
+  (code + z) x step with code in 0..15. Codes are packed per 64-element chunk as byte i = element i | element
+  i + 32 << 4 (a shorter last chunk of n: i and i + n/2), so a byte vector's low nibbles, then its high ones,
+  are the elements in order. A block still filling is requantized whole at every write, from the unquantized
+  keys that cache/key_staging.py keeps for it, so every block is rounded once over the tokens it holds.
 
 Scales are rounded to their stored form before the data is quantized with them, so what is decoded is what was
 encoded; the data is multiplied by the scale's reciprocal (as the CPU kernel that writes new K/V does, which
@@ -62,6 +68,11 @@ class KVCodec:
     @property
     def scale_dtype(self) -> torch.dtype:
         return torch.uint8 if self.name == "int8" else SCALE_DTYPE
+
+    @property
+    def keys_per_block(self) -> bool:
+        """Keys scaled per channel over each block (int4), written through key_staging.py."""
+        return self.name == "int4"
 
     @property
     def rotates(self) -> bool:
@@ -171,6 +182,71 @@ def decode_int4(data: torch.Tensor, scales: torch.Tensor, head_dim: int) -> torc
     codes = torch.stack((low, high), dim=-1).flatten(-2) - 8  # [..., head_dim]
     groups = _int4_groups(codes.to(torch.float32))
     return (groups * scales.to(torch.float32).unsqueeze(-1)).flatten(-2)[..., :head_dim]
+
+
+def int4_key_pairs(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elements each packed key byte holds: (low nibble's, high nibble's), per 64-element chunk."""
+    low, high = [], []
+    for start in range(0, head_dim, 64):
+        half = min(64, head_dim - start) // 2
+        low += range(start, start + half)
+        high += range(start + half, start + 2 * half)
+    return torch.tensor(low), torch.tensor(high)
+
+
+def pack_int4_keys(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., head_dim] in 0..15 -> [..., head_dim / 2] bytes in the keys' chunk order."""
+    low, high = int4_key_pairs(codes.shape[-1])
+    codes = codes.to(torch.uint8)
+    return codes[..., low.to(codes.device)] | (codes[..., high.to(codes.device)] << 4)
+
+
+def unpack_int4_keys(data: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4_keys, as int16 codes."""
+    head_dim = data.shape[-1] * 2
+    low, high = int4_key_pairs(head_dim)
+    codes = torch.empty(*data.shape[:-1], head_dim, dtype=torch.int16, device=data.device)
+    codes[..., low.to(data.device)] = (data & 0x0F).to(torch.int16)
+    codes[..., high.to(data.device)] = (data >> 4).to(torch.int16)
+    return codes
+
+
+def encode_int4_key_block(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [n, kv_heads, head_dim]: one block's first n keys -> (packed codes [n, kv_heads, head_dim / 2],
+    channel bytes [kv_heads, 2, head_dim] uint8: step bytes, then int8 zero points).
+
+    The step is the smallest scale byte that lets 16 levels from an integer zero point cover the channel's
+    range over the rows: the first of three candidates, (max - min) / 15 rounded up to a byte and the next two
+    up, that fits (two steps up always do: adjacent byte values differ by at most 9/8, two by more than 15/14).
+    The step is also at least |min| / 127 so that z stays in int8.
+    """
+    rows = rows.to(torch.float32)
+    low, high = rows.amin(dim=0), rows.amax(dim=0)  # [kv_heads, head_dim]
+    first = encode_scale_byte(torch.maximum((high - low) * (1 / 15), low.abs() * (1 / 127))).to(torch.int32)
+    chosen = torch.clamp(first + 2, max=255)
+    for bump in (1, 0):  # the smallest that fits wins
+        code = torch.clamp(first + bump, max=255)
+        chosen = torch.where(_key_step_fits(code, low, high), code, chosen)
+    step = decode_scale_byte(chosen)
+    inverse = 1 / step
+    zero = torch.floor(low * inverse).clamp_(-128, 127)
+    codes = (torch.round(rows * inverse) - zero).clamp_(0, 15)
+    channel = torch.stack((chosen.to(torch.uint8), zero.to(torch.int8).view(torch.uint8)), dim=-2)
+    return pack_int4_keys(codes), channel
+
+
+def _key_step_fits(code: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    step = decode_scale_byte(code)
+    zero = torch.floor(low * (1 / step))
+    return (zero >= -128) & (zero <= 127) & ((zero + 15) * step >= high)
+
+
+def decode_int4_keys(data: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
+    """data [..., head_dim / 2] packed key codes, channel [..., 2, head_dim] their block's channel bytes (the
+    same leading dims) -> fp32 keys [..., head_dim]."""
+    step = decode_scale_byte(channel[..., 0, :])
+    zero = channel[..., 1, :].view(torch.int8).to(torch.float32)
+    return (unpack_int4_keys(data).to(torch.float32) + zero) * step
 
 
 def rotation_matrix(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -3,8 +3,9 @@
 `cache/` owns these tensors; the model's attention writes new K/V through a slot mapping (slot = block id x
 block_size + offset) and reads context through block tables. A quantized format (kv_quant.py) keeps its
 scales beside the data in the same object: per-vector scales as [num_blocks, block_size, kv_heads, groups]
-tensors that move with their blocks, per-tensor fp8 scales as one value per layer. The scheduler, the block
-pool and the runner see blocks, never formats.
+tensors that move with their blocks (int4 keys: per-channel bytes [num_blocks, kv_heads, 2, head_dim], which
+move with them too), per-tensor fp8 scales as one value per layer. The scheduler, the block pool and the runner
+see blocks, never formats. int4 keys of blocks still filling are also kept unquantized (key_staging.py).
 
 A quantized cache also stores keys less a per-layer key offset (`key_offset`): one constant per channel and KV
 head, measured once at start-up (engine/kv_calibration.py). Some models' keys sit far from zero in a few
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.kv_quant import KVCodec, codec_for, rotation_matrix
+from kvserve.cache.key_staging import KeyStaging
+from kvserve.cache.kv_quant import KVCodec, codec_for, decode_int4_keys, encode_int4_key_block, rotation_matrix
 
 
 @dataclass(slots=True)
@@ -28,7 +30,9 @@ class LayerKVCache:
     key: torch.Tensor  # [num_blocks, block_size, kv_heads, data_dim] in the model dtype or the codec's data dtype
     value: torch.Tensor
     codec: KVCodec | None = None  # None: unquantized, `key.dtype` is the KV dtype
-    key_scales: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, groups]: int8's scale bytes, int4's fp16
+    # [num_blocks, block_size, kv_heads, groups]: int8's scale bytes; int4's keys: [num_blocks, kv_heads, 2, head_dim]
+    # channel bytes (steps, zero points), values: fp16 [num_blocks, block_size, kv_heads, groups]
+    key_scales: torch.Tensor | None = None
     value_scales: torch.Tensor | None = None
     key_tensor_scale: torch.Tensor | None = None  # [] fp32 (fp8): stored = x / scale
     value_tensor_scale: torch.Tensor | None = None
@@ -40,6 +44,10 @@ class LayerKVCache:
     # A fused writer for this device (the CPU kernels' write_kv / write_quantized_kv), given by the model runner:
     # fn(cache, slot_mapping, key, value), bit-identical to the torch ops below; None: those run.
     writer: Callable | None = None
+    # int4: which blocks still filling keep their keys unquantized (shared by the layers), and this layer's rows
+    # [staging rows, block_size, kv_heads, head_dim] in the KV dtype
+    key_staging: KeyStaging | None = None
+    key_stage: torch.Tensor | None = None
 
     @property
     def flat_key(self) -> torch.Tensor:
@@ -77,12 +85,38 @@ class LayerKVCache:
             self.flat_key.index_copy_(0, slot_mapping, key.to(self.key.dtype))
             self.flat_value.index_copy_(0, slot_mapping, value.to(self.value.dtype))
             return
-        for data, scales, tensor_scale, x in ((self.key, self.key_scales, self.key_tensor_scale, key),
-                                               (self.value, self.value_scales, self.value_tensor_scale, value)):
+        pairs = [(self.key, self.key_scales, self.key_tensor_scale, key),
+                 (self.value, self.value_scales, self.value_tensor_scale, value)]
+        if self.keys_per_block:
+            self._write_int4_keys(key, self.key_staging.plan(slot_mapping))
+            pairs = pairs[1:]
+        for data, scales, tensor_scale, x in pairs:
             encoded, encoded_scales = self.codec.encode(x, tensor_scale)
             data.view(-1, *data.shape[2:]).index_copy_(0, slot_mapping, encoded)
             if scales is not None:
                 scales.view(-1, *scales.shape[2:]).index_copy_(0, slot_mapping, encoded_scales)
+
+    @property
+    def keys_per_block(self) -> bool:
+        return self.key_staging is not None
+
+    def _write_int4_keys(self, key: torch.Tensor, plan: torch.Tensor) -> None:
+        """Each stretch of a block the step writes: the block's rows [0, hi] quantized together, the earlier ones
+        from its staging row (or the cache's codes), the new ones from `key` (key_staging.py's plan)."""
+        for block, first, lo, hi, row, decode in plan.tolist():
+            new = key[first:first + hi - lo + 1].to(torch.float32)
+            channels = self.key_scales[block]
+            if row >= 0:
+                stage = self.key_stage[row]
+                if decode:
+                    stage[:decode] = decode_int4_keys(self.key[block, :decode], channels).to(stage.dtype)
+                stage[lo:hi + 1] = new.to(stage.dtype)
+                past = stage[:lo].to(torch.float32)
+            else:
+                past = decode_int4_keys(self.key[block, :lo], channels)
+            codes, channel_bytes = encode_int4_key_block(torch.cat((past, new)))
+            self.key[block, :hi + 1] = codes
+            self.key_scales[block] = channel_bytes
 
     def _calibrate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """vLLM's --calculate-kv-scales: scale = absmax of the first batch (here the start-up calibration's, so
@@ -97,8 +131,13 @@ class LayerKVCache:
         """K and V of `slots` as [len(slots), kv_heads, head_dim] in `dtype`: only those rows are decoded."""
         if self.codec is None:
             return self.flat_key.index_select(0, slots).to(dtype), self.flat_value.index_select(0, slots).to(dtype)
-        return (self._gather_one(self.key, self.key_scales, self.key_tensor_scale, slots, dtype),
-                self._gather_one(self.value, self.value_scales, self.value_tensor_scale, slots, dtype))
+        if self.keys_per_block:
+            block_size = self.key.shape[1]
+            keys = decode_int4_keys(self.flat_key.index_select(0, slots),
+                                    self.key_scales.index_select(0, slots // block_size)).to(dtype)
+        else:
+            keys = self._gather_one(self.key, self.key_scales, self.key_tensor_scale, slots, dtype)
+        return keys, self._gather_one(self.value, self.value_scales, self.value_tensor_scale, slots, dtype)
 
     def _gather_one(self, data: torch.Tensor, scales: torch.Tensor | None, tensor_scale: torch.Tensor | None,
                     slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -115,7 +154,10 @@ def calibration_caches(layers: list[LayerKVCache], num_blocks: int, channels: to
     scratch = []
     for layer in layers:
         _, block_size, num_kv_heads, _ = layer.key.shape
-        fresh = _quantized_layer(layer.codec, num_blocks, block_size, num_kv_heads, layer.key.device, layer.rotation)
+        stage = layer.key_stage
+        fresh = _quantized_layer(layer.codec, num_blocks, block_size, num_kv_heads, layer.key.device, layer.rotation,
+                                 _staging(layer.codec, 0 if stage is None else stage.shape[0], block_size),
+                                 torch.float32 if stage is None else stage.dtype)
         if layer.key_tensor_scale is not None:
             fresh.key_tensor_scale.copy_(layer.key_tensor_scale)
             fresh.value_tensor_scale.copy_(layer.value_tensor_scale)
@@ -168,8 +210,10 @@ def allocate_kv_storage(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     kv_cache_dtype: str | None = None,
+    staging_rows: int = 8,
 ) -> list[LayerKVCache]:
-    """`dtype`: the unquantized KV dtype; `kv_cache_dtype` (fp8, fp8_e4m3, fp8_e5m2, int8, int4) quantizes."""
+    """`dtype`: the unquantized KV dtype; `kv_cache_dtype` (fp8, fp8_e4m3, fp8_e5m2, int8, int4) quantizes.
+    `staging_rows`: int4's staging rows (key_staging.py; the engine passes --max-num-seqs)."""
     codec = codec_for(kv_cache_dtype, head_dim) if kv_cache_dtype else None
     if codec is None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -178,16 +222,24 @@ def allocate_kv_storage(
         return [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(num_layers)]
     rotation = rotation_matrix(codec.head_dim, device) if codec.rotates else None  # one, shared by every layer
-    return [_quantized_layer(codec, num_blocks, block_size, num_kv_heads, device, rotation) for _ in range(num_layers)]
+    staging = _staging(codec, staging_rows, block_size)  # one, shared by every layer
+    return [_quantized_layer(codec, num_blocks, block_size, num_kv_heads, device, rotation, staging, dtype)
+            for _ in range(num_layers)]
+
+
+def _staging(codec: KVCodec, rows: int, block_size: int) -> KeyStaging | None:
+    return KeyStaging(rows, block_size) if codec.keys_per_block else None
 
 
 def _quantized_layer(codec: KVCodec, num_blocks: int, block_size: int, num_kv_heads: int,
-                     device: torch.device | str, rotation: torch.Tensor | None) -> LayerKVCache:
+                     device: torch.device | str, rotation: torch.Tensor | None, staging: KeyStaging | None,
+                     stage_dtype: torch.dtype) -> LayerKVCache:
     data_shape = (num_blocks, block_size, num_kv_heads, codec.data_dim)
 
-    def data() -> torch.Tensor:
-        # int4's zero byte would decode to -8 x scale; 0x88 is two zeros. fp8's and int8's zero byte is 0.
-        fill = 0x88 if codec.name == "int4" else 0
+    def data(keys: bool) -> torch.Tensor:
+        # int4 values' zero byte would decode to -8 x scale; 0x88 is two zeros. int4 keys' zero byte decodes to 0
+        # under zero channel bytes, as fp8's and int8's does.
+        fill = 0x88 if codec.name == "int4" and not keys else 0
         return torch.full(data_shape, fill, dtype=codec.data_dtype, device=device)
 
     def scales() -> torch.Tensor | None:
@@ -199,4 +251,12 @@ def _quantized_layer(codec: KVCodec, num_blocks: int, block_size: int, num_kv_he
     def tensor_scale() -> torch.Tensor | None:
         return torch.ones((), dtype=torch.float32, device=device) if codec.scales_per_vector == 0 else None
 
-    return LayerKVCache(data(), data(), codec, scales(), scales(), tensor_scale(), tensor_scale(), rotation)
+    def key_scales() -> torch.Tensor | None:
+        if staging is None:
+            return scales()
+        return torch.zeros((num_blocks, num_kv_heads, 2, codec.head_dim), dtype=torch.uint8, device=device)
+
+    stage = None if staging is None else torch.zeros(
+        (staging.capacity, block_size, num_kv_heads, codec.head_dim), dtype=stage_dtype, device=device)
+    return LayerKVCache(data(True), data(False), codec, key_scales(), scales(), tensor_scale(), tensor_scale(),
+                        rotation, key_staging=staging, key_stage=stage)

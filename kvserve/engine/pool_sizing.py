@@ -21,7 +21,7 @@ from kvserve.planner.budget import (
     memory_budget_bytes,
     num_blocks_for_pool,
 )
-from kvserve.planner.kv import kv_block_bytes, kv_format
+from kvserve.planner.kv import kv_block_bytes, kv_format, kv_key_staging_bytes
 from kvserve.planner.specs import spec_from_hf_config
 
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
@@ -102,7 +102,9 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
         num_blocks, source = _cuda_blocks(config, loaded, device, block_bytes)
     else:
         gib = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB
-        num_blocks, source = num_blocks_for_pool(int(gib * GIB), block_bytes), f"--kv-cache-memory {gib:g} GiB"
+        staging = key_staging_bytes(config, loaded)
+        num_blocks = num_blocks_for_pool(int(gib * GIB) - staging, block_bytes)
+        source = f"--kv-cache-memory {gib:g} GiB" + (f", {staging / MIB:.1f} MiB of it staging int4 keys" if staging else "")
     largest_fit = max_model_len_for_blocks(num_blocks, cache.block_size)
     max_model_len = config.scheduler.max_model_len or min(model_limit, largest_fit)
     if max_model_len > largest_fit:
@@ -113,6 +115,14 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
         )
     return PoolPlan(num_blocks, cache.block_size, block_bytes, max_model_len,
                     kv_storage_dtype(config, loaded), source, kv_name)
+
+
+def key_staging_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
+    """What the pool's int4 key staging (cache/key_staging.py) holds beside it, taken from the pool's memory."""
+    spec = spec_from_hf_config(loaded.hf_config, source=str(loaded.path))
+    return kv_key_staging_bytes(spec, config.cache.block_size, config.scheduler.max_num_seqs,
+                                kv_format_name(config, loaded), _dtype_name(kv_storage_dtype(config, loaded)),
+                                config.parallel.tensor_parallel_size)
 
 
 def _cuda_blocks(config: EngineConfig, loaded: LoadedModel, device: torch.device, block_bytes: int) -> tuple[int, str]:
@@ -129,7 +139,7 @@ def _cuda_blocks(config: EngineConfig, loaded: LoadedModel, device: torch.device
     resident = torch.cuda.memory_allocated(device)  # weights, rotary tables: everything loaded so far
     activation_bytes = activation_peak_bytes(config, loaded, device)
     unmeasured = CUDA_UNPROFILED_BYTES + 2 * loaded.config.num_hidden_layers * CUDA_ROUNDING_PER_KV_TENSOR
-    pool = kv_pool_bytes(total, utilization, resident, activation_bytes) - unmeasured
+    pool = kv_pool_bytes(total, utilization, resident, activation_bytes) - unmeasured - key_staging_bytes(config, loaded)
     source = (f"--gpu-memory-utilization {utilization} of {total / GIB:.1f} GiB, model {resident / GIB:.2f} GiB, "
               f"activations {activation_bytes / GIB:.2f} GiB")
     return num_blocks_for_pool(pool, block_bytes), source

@@ -17,6 +17,7 @@ from kvserve.engine.memory_profile import decode_gather_tokens
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.pool_sizing import PoolPlan, plan_kv_pool
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.planner.kv import key_staging_rows
 from kvserve.model.tensor_parallel import TensorShard
 
 
@@ -49,7 +50,7 @@ def build_rank(config: EngineConfig, device: torch.device, shard: TensorShard,
     model_cfg, cache_cfg = loaded.config, config.cache
     storage = allocate_kv_storage(
         model_cfg.num_hidden_layers, pool.num_blocks, cache_cfg.block_size, loaded.num_kv_heads,
-        model_cfg.head_dim, pool.kv_dtype, device, pool.kv_format,
+        model_cfg.head_dim, pool.kv_dtype, device, pool.kv_format, key_staging_rows(config.scheduler.max_num_seqs),
     )
     scales = set_fp8_scales(storage, loaded.model.checkpoint_kv_scales, cache_cfg.calculate_kv_scales)
     runner = ModelRunner(loaded.model, storage, cache_cfg.block_size, device,

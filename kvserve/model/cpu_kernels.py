@@ -80,6 +80,9 @@ def kv_writer(kernels, cache: LayerKVCache):
         return None
 
     def write_quantized(target: LayerKVCache, slot_mapping, key, value) -> None:
+        if target.keys_per_block:  # write_quantized_kv writes int4's values only
+            kernels.write_int4_keys(key, target.key_staging.plan(slot_mapping), target.key, target.key_scales,
+                                    target.key_stage)
         kernels.write_quantized_kv(key, value, slot_mapping, target.key, target.value, *_scale_args(target))
 
     def write(target: LayerKVCache, slot_mapping, key, value) -> None:

@@ -10,11 +10,16 @@ Storage contract (the engine's `cache/storage` follows these constants exactly):
   3 mantissa bits) per (token, kv_head) vector, separately for K and for V. The scale group is the whole
   head vector, i.e. `group_size == head_dim`; `KVFormat.group_size` is None for "one scale per vector". One
   byte, not an fp16: at head_dim 64 an fp16 scale would cost 3% of the tokens a pool holds.
-- `int4`: 0.5 B per element (two per byte), plus one fp16 scale per `INT4_GROUP_SIZE` (32) consecutive
-  elements of a head vector, symmetric (no zero point). A last partial group still gets its own scale.
+- `int4`: 0.5 B per element (two per byte). Values: one fp16 scale per `INT4_GROUP_SIZE` (32) consecutive
+  elements of a head vector, symmetric (no zero point); a last partial group still gets its own scale. Keys: no
+  per-token scales; each channel of each (block, KV head) has a step byte and an integer zero point
+  (`INT4_KEY_CHANNEL_BYTES`), so a block carries 2 x head_dim bytes per KV head beside its codes.
 
-  bytes per token per GPU = 2 (K and V) x layers x kv_heads_per_gpu x vector_bytes(head_dim)
-  vector_bytes(d)        = ceil(d x bits / 8) + scales_per_vector(d) x KV_SCALE_BYTES
+  bytes per block per GPU = layers x kv_heads_per_gpu x (block_size x (key_vector_bytes(d) + vector_bytes(d))
+                                                         + key_block_bytes(d))
+  vector_bytes(d)         = ceil(d x bits / 8) + scales_per_vector(d) x scale_bytes   (V; K too but for int4)
+  key_block_bytes(d)      = d x INT4_KEY_CHANNEL_BYTES for int4, else 0
+  bytes per token         = bytes per block / block_size, rounded up (exact at the default block sizes)
 
 - MLA (DeepSeek-V2/V3): one latent vector of `kv_lora_rank + qk_rope_head_dim` elements per layer and token,
   no x2 and no heads; it is replicated on every TP rank, so TP does not shrink it.
@@ -38,6 +43,8 @@ COMPARED_KV_DTYPES = ("auto", "fp8", "int8", "int4")  # the model dtype, then ea
 KV_SCALE_BYTES = 2  # fp16 scales for int4
 INT8_SCALE_BYTES = 1  # int8's one-byte float scale
 INT4_GROUP_SIZE = 32
+INT4_KEY_CHANNEL_BYTES = 2  # int4 keys: a step byte and an int8 zero point per channel, block and KV head
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,6 +55,7 @@ class KVFormat:
     bits: int
     group_size: int | None
     scale_bytes: int
+    keys_per_block: bool = False  # keys scaled per channel over each block (int4), not per token
 
     @property
     def element_bytes(self) -> float:
@@ -61,7 +69,7 @@ _KV_FORMATS = {
     "fp8_e4m3": KVFormat("fp8_e4m3", 8, None, 0),
     "fp8_e5m2": KVFormat("fp8_e5m2", 8, None, 0),
     "int8": KVFormat("int8", 8, None, INT8_SCALE_BYTES),
-    "int4": KVFormat("int4", 4, INT4_GROUP_SIZE, KV_SCALE_BYTES),
+    "int4": KVFormat("int4", 4, INT4_GROUP_SIZE, KV_SCALE_BYTES, keys_per_block=True),
 }
 _KV_ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
@@ -88,6 +96,16 @@ def kv_vector_bytes(fmt: KVFormat, vector_dim: int) -> int:
     return ceil_div(vector_dim * fmt.bits, 8) + kv_scales_per_vector(fmt, vector_dim) * fmt.scale_bytes
 
 
+def kv_key_vector_bytes(fmt: KVFormat, vector_dim: int) -> int:
+    """Bytes of one token's key head vector: its codes alone when the keys are scaled per block."""
+    return ceil_div(vector_dim * fmt.bits, 8) if fmt.keys_per_block else kv_vector_bytes(fmt, vector_dim)
+
+
+def kv_key_block_bytes(fmt: KVFormat, vector_dim: int) -> int:
+    """Bytes a block carries per KV head beside its keys' codes (int4's per-channel steps and zero points)."""
+    return vector_dim * INT4_KEY_CHANNEL_BYTES if fmt.keys_per_block else 0
+
+
 def kv_tensors_per_layer(spec: ModelSpec) -> int:
     return 1 if spec.is_mla else 2
 
@@ -96,10 +114,21 @@ def kv_vector_dim(spec: ModelSpec) -> int:
     return spec.kv_lora_rank + spec.qk_rope_head_dim if spec.is_mla else spec.head_dim
 
 
-def kv_layer_token_bytes(spec: ModelSpec, fmt: KVFormat, tensor_parallel_size: int = 1) -> int:
-    """Bytes one token occupies in one layer on one GPU (K and V together)."""
+def kv_layer_block_bytes(spec: ModelSpec, fmt: KVFormat, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes one block occupies in one layer on one GPU (K and V together, scales included). An MLA latent is
+    stored as a key."""
     heads = kv_heads_per_gpu(spec, tensor_parallel_size)
-    return kv_tensors_per_layer(spec) * heads * kv_vector_bytes(fmt, kv_vector_dim(spec))
+    dim = kv_vector_dim(spec)
+    keys = block_size * kv_key_vector_bytes(fmt, dim) + kv_key_block_bytes(fmt, dim)
+    values = 0 if spec.is_mla else block_size * kv_vector_bytes(fmt, dim)
+    return heads * (keys + values)
+
+
+def kv_layer_token_bytes(spec: ModelSpec, fmt: KVFormat, tensor_parallel_size: int = 1,
+                         block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes one token occupies in one layer on one GPU (K and V together; per-block scales shared out over the
+    block's tokens, rounded up)."""
+    return ceil_div(kv_layer_block_bytes(spec, fmt, block_size, tensor_parallel_size), block_size)
 
 
 def kv_layers_per_gpu(spec: ModelSpec, pipeline_parallel_size: int = 1) -> range:
@@ -113,12 +142,12 @@ def kv_bytes_per_token(
     model_dtype: str = "bfloat16",
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> int:
-    """KV bytes one token costs on one GPU across all its layers (full-attention accounting)."""
-    validate_parallelism(spec, tensor_parallel_size, pipeline_parallel_size)
-    fmt = kv_format(kv_cache_dtype, model_dtype)
-    layers = len(kv_layers_per_gpu(spec, pipeline_parallel_size))
-    return layers * kv_layer_token_bytes(spec, fmt, tensor_parallel_size)
+    """KV bytes one token costs on one GPU across all its layers (full-attention accounting): a block's bytes over
+    its tokens, rounded up (exact unless a format keeps per-block scales that the block size does not divide)."""
+    return ceil_div(kv_block_bytes(spec, block_size, kv_cache_dtype, model_dtype, tensor_parallel_size,
+                                   pipeline_parallel_size), block_size)
 
 
 def kv_block_bytes(
@@ -132,9 +161,39 @@ def kv_block_bytes(
     """Bytes of one block (block_size tokens) across all layers, K and V, scales included, on one GPU."""
     if block_size <= 0:
         raise PlannerError(f"--block-size must be positive, got {block_size}")
-    return block_size * kv_bytes_per_token(
-        spec, kv_cache_dtype, model_dtype, tensor_parallel_size, pipeline_parallel_size
-    )
+    validate_parallelism(spec, tensor_parallel_size, pipeline_parallel_size)
+    fmt = kv_format(kv_cache_dtype, model_dtype)
+    layers = len(kv_layers_per_gpu(spec, pipeline_parallel_size))
+    return layers * kv_layer_block_bytes(spec, fmt, block_size, tensor_parallel_size)
+
+
+KEY_STAGING_MAX_ROWS = 128
+
+
+def key_staging_rows(max_num_seqs: int) -> int:
+    """Staging rows for int4 keys: one per sequence that may be filling a block, at most KEY_STAGING_MAX_ROWS (past
+    that many decoding at once, the least recently written blocks are requantized from their codes instead)."""
+    return min(max_num_seqs, KEY_STAGING_MAX_ROWS)
+
+
+def kv_key_staging_bytes(
+    spec: ModelSpec,
+    block_size: int,
+    max_num_seqs: int,
+    kv_cache_dtype: str = "auto",
+    model_dtype: str = "bfloat16",
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> int:
+    """Bytes beside the pool that a format scaling keys per block keeps: the unquantized keys of the blocks still
+    filling (key_staging_rows of them; cache/key_staging.py), in the KV dtype, every layer. 0 for other formats."""
+    fmt = kv_format(kv_cache_dtype, model_dtype)
+    if not fmt.keys_per_block:
+        return 0
+    layers = len(kv_layers_per_gpu(spec, pipeline_parallel_size))
+    element = kv_format(model_dtype).bits // 8
+    rows = key_staging_rows(max_num_seqs)
+    return layers * rows * block_size * kv_heads_per_gpu(spec, tensor_parallel_size) * kv_vector_dim(spec) * element
 
 
 def tokens_held_by_layer(spec: ModelSpec, layer_index: int, context_len: int, block_size: int | None = None) -> int:
@@ -165,10 +224,11 @@ def kv_bytes_per_request(
         raise PlannerError(f"context length must be >= 0, got {context_len}")
     validate_parallelism(spec, tensor_parallel_size, pipeline_parallel_size)
     fmt = kv_format(kv_cache_dtype, model_dtype)
-    per_layer_token = kv_layer_token_bytes(spec, fmt, tensor_parallel_size)
     layers = kv_layers_per_gpu(spec, pipeline_parallel_size)
     held = sum(tokens_held_by_layer(spec, layer, context_len, block_size) for layer in layers)
-    return held * per_layer_token
+    if block_size is None:
+        return held * kv_layer_token_bytes(spec, fmt, tensor_parallel_size)
+    return held // block_size * kv_layer_block_bytes(spec, fmt, block_size, tensor_parallel_size)
 
 
 def explain_kv_bytes_per_token(
@@ -181,6 +241,9 @@ def explain_kv_bytes_per_token(
         layer_text += f" (of {spec.num_layers}, PP {pipeline_parallel_size})"
     vector = _explain_vector(fmt, kv_vector_dim(spec))
     total = layers * kv_layer_token_bytes(spec, fmt, tensor_parallel_size)
+    per_block_keys = fmt.keys_per_block and not spec.is_mla
+    if per_block_keys:
+        vector = _explain_int4(fmt, kv_vector_dim(spec))
     if spec.is_mla:
         latent = f"({spec.kv_lora_rank} + {spec.qk_rope_head_dim}) latent"
         vector = vector.replace(str(kv_vector_dim(spec)), latent, 1)
@@ -191,7 +254,8 @@ def explain_kv_bytes_per_token(
         head_text += f"/GPU ({spec.num_kv_heads} ÷ TP {tensor_parallel_size})"
     elif tensor_parallel_size > 1:
         head_text += "/GPU (replicated)"
-    return f"2 (K,V) × {layer_text} × {head_text} × {vector} = {format_bytes_exact(total)}"
+    tensors = "" if per_block_keys else "2 (K,V) × "
+    return f"{tensors}{layer_text} × {head_text} × {vector} = {format_bytes_exact(total)}"
 
 
 def _explain_vector(fmt: KVFormat, dim: int) -> str:
@@ -200,6 +264,13 @@ def _explain_vector(fmt: KVFormat, dim: int) -> str:
     if scales == 0:
         return f"{dim} × {element}"
     return f"({dim} × {element} + {scales} scale{'s' if scales > 1 else ''} × {fmt.scale_bytes} B)"
+
+
+def _explain_int4(fmt: KVFormat, dim: int) -> str:
+    """int4's K and V differ: K's codes plus a block's per-channel bytes shared out, V's codes plus scales."""
+    keys = f"{dim} × 0.5 B + {dim} × {INT4_KEY_CHANNEL_BYTES} B / {DEFAULT_BLOCK_SIZE}-token block"
+    scales = kv_scales_per_vector(fmt, dim)
+    return f"(K {keys} + V {dim} × 0.5 B + {scales} × {fmt.scale_bytes} B)"
 
 
 def format_bytes_exact(num_bytes: int) -> str:

@@ -31,6 +31,7 @@ from kvserve.planner.kv import (
     kv_bytes_per_request,
     kv_bytes_per_token,
     kv_format,
+    kv_key_staging_bytes,
 )
 from kvserve.planner.parallel import validate_parallelism
 from kvserve.planner.quant import quant_from_flag
@@ -174,7 +175,7 @@ def model_cost(spec: ModelSpec, request: PlanRequest) -> ModelCost:
 def _kv_cost(spec: ModelSpec, request: PlanRequest, kv_cache_dtype: str, model_dtype: str,
              max_model_len: int) -> KVCost:
     tp, pp, bs = request.tensor_parallel_size, request.pipeline_parallel_size, request.block_size
-    per_token = kv_bytes_per_token(spec, kv_cache_dtype, model_dtype, tp, pp)
+    per_token = kv_bytes_per_token(spec, kv_cache_dtype, model_dtype, tp, pp, bs)
     block_bytes = kv_block_bytes(spec, bs, kv_cache_dtype, model_dtype, tp, pp)
     fmt = kv_format(kv_cache_dtype, model_dtype)
     avg = request.avg_context_len
@@ -192,12 +193,14 @@ def make_plan(spec: ModelSpec, request: PlanRequest) -> Plan:
     fmt = kv_format(request.kv_cache_dtype, model_dtype)
     tp, pp = request.tensor_parallel_size, request.pipeline_parallel_size
     max_model_len = _resolve_max_model_len(spec, request.max_model_len)
-    per_token = kv_bytes_per_token(spec, request.kv_cache_dtype, model_dtype, tp, pp)
+    per_token = kv_bytes_per_token(spec, request.kv_cache_dtype, model_dtype, tp, pp, request.block_size)
     block_bytes = kv_block_bytes(spec, request.block_size, request.kv_cache_dtype, model_dtype, tp, pp)
     weights = estimate_weights(spec, model_dtype, quant_from_flag(request.quantization), tp, pp)
     reserve = _activation(spec, request, model_dtype)
     budget = memory_budget_bytes(gpu.memory_bytes, request.gpu_memory_utilization)
     pool = kv_pool_bytes(gpu.memory_bytes, request.gpu_memory_utilization, weights.per_gpu_bytes, reserve.bytes)
+    pool -= kv_key_staging_bytes(spec, request.block_size, request.max_num_seqs, request.kv_cache_dtype, model_dtype,
+                                 tp, pp)
     plan = Plan(
         spec=spec,
         request=request,

@@ -108,10 +108,123 @@ Target make_target(const torch::Tensor& data, const torch::Tensor& scales, doubl
                 static_cast<float>(tensor_scale)};
 }
 
+// kv_quant._key_step_fits: whether 16 levels of this step byte from an integer zero point in int8 cover [low, high].
+inline bool key_step_fits(int code, float low, float high) {
+  const float step = decode_scale_byte(static_cast<uint8_t>(code));
+  const float zero = std::floor(low * (1.f / step));
+  return zero >= -128.f && zero <= 127.f && (zero + 15.f) * step >= high;
+}
+
+// kv_quant.encode_int4_key_block for one KV head: rows [n, dim] (row stride dim) -> each row's packed codes
+// (row r at codes + r * codes_stride) and the block's channel bytes [2, dim].
+void encode_int4_key_block(const float* rows, int64_t n, int64_t dim, uint8_t* codes, int64_t codes_stride,
+                           uint8_t* channel) {
+  std::vector<uint8_t> levels(n * dim);
+  for (int64_t c = 0; c < dim; ++c) {
+    float low = rows[c], high = rows[c];
+    for (int64_t r = 1; r < n; ++r) {
+      low = std::min(low, rows[r * dim + c]);
+      high = std::max(high, rows[r * dim + c]);
+    }
+    const int first = encode_scale_byte(std::max((high - low) * (1.f / 15.f), std::fabs(low) * (1.f / 127.f)));
+    int chosen = std::min(first + 2, 255);
+    for (int bump = 1; bump >= 0; --bump)
+      if (key_step_fits(std::min(first + bump, 255), low, high)) chosen = std::min(first + bump, 255);
+    const float inverse = 1.f / decode_scale_byte(static_cast<uint8_t>(chosen));
+    const float zero = std::clamp(std::floor(low * inverse), -128.f, 127.f);
+    channel[c] = static_cast<uint8_t>(chosen);
+    channel[dim + c] = static_cast<uint8_t>(static_cast<int8_t>(zero));
+    for (int64_t r = 0; r < n; ++r)
+      levels[r * dim + c] = static_cast<uint8_t>(std::clamp(round_half_even(rows[r * dim + c] * inverse) - zero, 0.f, 15.f));
+  }
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t start = 0; start < dim; start += 64) {
+      const int64_t half = std::min<int64_t>(64, dim - start) / 2;
+      for (int64_t j = 0; j < half; ++j)
+        codes[r * codes_stride + start / 2 + j] = levels[r * dim + start + j] | levels[r * dim + start + half + j] << 4;
+    }
+}
+
+// A row of `dim` elements of a float tensor's dtype (fp32, bf16 or fp16) as fp32, and back.
+void load_row(const void* base, at::ScalarType type, int64_t index, int64_t dim, float* out) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "load_row", [&] {
+    const scalar_t* row = static_cast<const scalar_t*>(base) + index * dim;
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(row[d]);
+  });
+}
+
+void store_row(void* base, at::ScalarType type, int64_t index, int64_t dim, const float* in) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "store_row", [&] {
+    scalar_t* row = static_cast<scalar_t*>(base) + index * dim;
+    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<scalar_t>(in[d]);
+  });
+}
+
 }  // namespace
 
+// int4 keys, block by block, as LayerKVCache._write_int4_keys does (bit-identical). plan: [runs, 6] int64 from
+// cache/key_staging.py, one row per stretch of a block this step writes: (block, first token, first offset lo,
+// last offset hi, staging row or -1, rows to decode). Rows [0, lo) of the block come from its staging row, after
+// its first `decode` rows are filled from the cache's own codes (a row the staging had no room for); with no
+// staging row, straight from the codes. The stretch's keys are stored into the staging row (in its dtype), and
+// the block's rows [0, hi] are quantized together. key: [tokens, kv_heads, head_dim] (dense rows); codes:
+// [blocks, block_size, kv_heads, head_dim / 2] uint8; channels: [blocks, kv_heads, 2, head_dim] uint8; stage:
+// [rows, block_size, kv_heads, head_dim] (fp32, bf16 or fp16; may be empty when no plan row uses it).
+void write_int4_keys(torch::Tensor key, torch::Tensor plan, torch::Tensor codes, torch::Tensor channels,
+                     torch::Tensor stage) {
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1, "key: [tokens, kv_heads, head_dim] with dense rows");
+  TORCH_CHECK(plan.scalar_type() == torch::kLong && plan.is_contiguous() && plan.dim() == 2 && plan.size(1) == 6,
+              "plan: [runs, 6] int64");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kByte && channels.is_contiguous() &&
+              channels.scalar_type() == torch::kByte, "codes, channels: contiguous uint8");
+  TORCH_CHECK(stage.is_contiguous(), "stage: contiguous");
+  const int64_t heads = key.size(1), dim = key.size(2), block_size = codes.size(1), num_blocks = codes.size(0);
+  TORCH_CHECK(dim % 2 == 0 && codes.size(2) == heads && codes.size(3) == dim / 2 && channels.size(0) == num_blocks &&
+              channels.size(1) == heads && channels.size(2) == 2 && channels.size(3) == dim, "int4 key cache shapes");
+  const int64_t runs = plan.size(0);
+  const int64_t* entries = plan.data_ptr<int64_t>();
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t* e = entries + r * 6;
+    TORCH_CHECK(e[0] >= 0 && e[0] < num_blocks && 0 <= e[2] && e[2] <= e[3] && e[3] < block_size && e[1] >= 0 &&
+                e[1] + e[3] - e[2] < key.size(0) && e[5] <= e[2] && (e[4] < 0 || e[4] < stage.size(0)),
+                "write_int4_keys: bad plan row ", r);
+  }
+  const kvq::Source cached{codes.data_ptr<uint8_t>(), channels.data_ptr<uint8_t>(), 1.f, kvq::kInt4, dim, heads,
+                           block_size};
+  // Stretches of one block must run in order (the engine never writes a block twice in a step; a profiling pass
+  // that maps every token to one slot does).
+  std::vector<int64_t> blocks(runs);
+  for (int64_t r = 0; r < runs; ++r) blocks[r] = entries[r * 6];
+  std::sort(blocks.begin(), blocks.end());
+  const bool repeated = std::adjacent_find(blocks.begin(), blocks.end()) != blocks.end();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_int4_keys", [&] {
+    at::parallel_for(0, runs * heads, repeated ? runs * heads : 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> rows(block_size * dim);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t* e = entries + (i / heads) * 6;
+        const int64_t h = i % heads, block = e[0], first = e[1], lo = e[2], hi = e[3], row = e[4], decode = e[5];
+        const int64_t stage_base = (row * block_size) * heads + h;  // stage index of (row, offset 0, h), in rows of dim
+        for (int64_t o = 0; o < lo; ++o) {
+          if (row < 0 || o < decode) cached.decode(block * block_size + o, h, rows.data() + o * dim);
+          if (row >= 0 && o < decode) store_row(stage.data_ptr(), stage.scalar_type(), stage_base + o * heads, dim, rows.data() + o * dim);
+          if (row >= 0) load_row(stage.data_ptr(), stage.scalar_type(), stage_base + o * heads, dim, rows.data() + o * dim);
+        }
+        for (int64_t o = lo; o <= hi; ++o) {
+          const scalar_t* x = key.data_ptr<scalar_t>() + (first + o - lo) * key.stride(0) + h * key.stride(1);
+          for (int64_t d = 0; d < dim; ++d) rows[o * dim + d] = static_cast<float>(x[d]);
+          if (row >= 0) store_row(stage.data_ptr(), stage.scalar_type(), stage_base + o * heads, dim, rows.data() + o * dim);
+        }
+        uint8_t* block_codes = codes.data_ptr<uint8_t>() + (block * block_size * heads + h) * (dim / 2);
+        encode_int4_key_block(rows.data(), hi + 1, dim, block_codes, heads * (dim / 2),
+                              channels.data_ptr<uint8_t>() + (block * heads + h) * 2 * dim);
+      }
+    });
+  });
+}
+
 // key, value: [tokens, num_kv_heads, head_dim] in the model's dtype (any token/head strides, dense rows);
-// slot_mapping: [tokens] int64; the caches as paged_decode_attention_quantized takes them.
+// slot_mapping: [tokens] int64; the caches as paged_decode_attention_quantized takes them. For int4 only the
+// values: its keys are written by write_int4_keys.
 void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_data,
                         torch::Tensor v_data, torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
                         double v_tensor_scale, int64_t format) {
@@ -126,11 +239,12 @@ void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor sl
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_quantized_kv", [&] {
     const torch::Tensor* sources[2] = {&key, &value};
+    const int first = format == kvq::kInt4 ? 1 : 0;  // int4 keys are written per block (write_int4_keys)
     at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
       std::vector<float> row(dim);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t t = i / heads, h = i % heads;
-        for (int which = 0; which < 2; ++which) {
+        for (int which = first; which < 2; ++which) {
           const torch::Tensor& source = *sources[which];
           const scalar_t* x = source.data_ptr<scalar_t>() + t * source.stride(0) + h * source.stride(1);
           for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(x[d]);

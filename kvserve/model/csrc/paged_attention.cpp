@@ -69,18 +69,6 @@ inline void prefetch_ahead(const scalar_t* k_cache, const scalar_t* v_cache, con
   }
 }
 
-// An int4 row's 64-element chunk is 32 bytes, two codes a byte (low nibble first), one fp16 scale per 32
-// elements. The in-place kernels take a chunk's codes as its low nibbles (elements 0, 2, ..., 62), then its high
-// ones (1, 3, ..., 63), so they widen with no interleaving, and hold query rows in that order.
-template <int kHeadDim>
-inline void to_nibble_order(const float* row, float* permuted) {
-  for (int c = 0; c < kHeadDim / 64; ++c)
-    for (int i = 0; i < 32; ++i) {
-      permuted[c * 64 + i] = row[c * 64 + 2 * i];
-      permuted[c * 64 + 32 + i] = row[c * 64 + 2 * i + 1];
-    }
-}
-
 // A chunk's two fp16 scales, as [first, second, ...].
 inline __m128 int4_chunk_scales(const uint16_t* scales) {
   uint32_t pair;
@@ -88,11 +76,58 @@ inline __m128 int4_chunk_scales(const uint16_t* scales) {
   return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));
 }
 
-// Asks for a row's codes and scales (rows: (slot, KV head) indices).
+// Asks for a row's codes and scales (rows: (slot, KV head) indices; int4 keys' scales are per block).
 inline void prefetch_int4_row(const kvq::Source& source, int64_t row) {
   _mm_prefetch(reinterpret_cast<const char*>(source.data + row * source.data_dim()), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(source.scales) + row * source.groups()),
-               _MM_HINT_T0);
+  if (!source.channel_keys())
+    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(source.scales) + row * source.groups()),
+                 _MM_HINT_T0);
+}
+
+// ---- int4 keys read in place (fp32 products; kv_dequant.h has the format) ----
+// A block's keys share each channel's step and zero point, so per block each query row becomes qs = q x step
+// and a bias q . (z x step), formed once; a key's score is then qs . codes + bias, its codes widened to fp32 once
+// for every query row of the GQA group.
+
+// qs [group, kHeadDim] and bias [group] for one block's channel bytes.
+template <int kHeadDim>
+void int4_key_block_queries(const float* qf, const uint8_t* channel, int64_t group, float* qs, float* bias) {
+  alignas(32) float step[kHeadDim], zero[kHeadDim];
+  for (int d = 0; d < kHeadDim; d += 8) {
+    _mm256_store_ps(step + d, kvq::byte_scales8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(channel + d)))));
+    _mm256_store_ps(zero + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(channel + kHeadDim + d)))));
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int d = 0; d < kHeadDim; d += 8) {
+      const __m256 product = _mm256_mul_ps(_mm256_loadu_ps(qf + g * kHeadDim + d), _mm256_load_ps(step + d));
+      _mm256_storeu_ps(qs + g * kHeadDim + d, product);
+      sum = _mm256_fmadd_ps(product, _mm256_load_ps(zero + d), sum);
+    }
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    bias[g] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  }
+}
+
+// Walks context tokens [first_token, end_token) block by block: score(channel, t0, t1) for each block's stretch
+// (t relative to first_token), after asking for the rows kPrefetchDistance ahead of it.
+template <typename ScoreStretch>
+void for_each_key_block(const kvq::Source& keys, const kvq::Source& values, const int64_t* table,
+                        int64_t first_token, int64_t end_token, int64_t block_size, int64_t kv_head,
+                        const std::vector<int64_t>& rows, ScoreStretch&& score) {
+  const int64_t num_tokens = end_token - first_token;
+  for (int64_t pos = first_token; pos < end_token;) {
+    const int64_t block = pos / block_size, stop = std::min(end_token, (block + 1) * block_size);
+    const int64_t t0 = pos - first_token, t1 = stop - first_token;
+    for (int64_t i = t0 == 0 ? 0 : t0 + kPrefetchDistance; i < std::min(t1 + kPrefetchDistance, num_tokens); ++i) {
+      prefetch_int4_row(keys, rows[i]);
+      prefetch_int4_row(values, rows[i]);
+    }
+    score(keys.block_channels(table[block], kv_head), t0, t1);
+    pos = stop;
+  }
 }
 #endif
 
@@ -339,74 +374,57 @@ void scores_int8_vnni(const float* qf, const int8_t* k_cache, const int8_t* v_ca
                                       [&](int64_t g) { return Row{QueryCodes<kVectors>(qf + g * kHeadDim, 128)}; });
 }
 
-// ---- int4 K and V read in place (AVX-512 VNNI, bf16 queries) ----
-// (The format and the nibbles' order: to_nibble_order.)
+#endif  // __AVX512VNNI__
 
-// The chunk's codes as one vector [low nibbles | high nibbles]: elements 0, 2, ..., 62, then 1, 3, ..., 63.
-inline __m512i int4_codes(const uint8_t* bytes) {
-  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, mask)),
-                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), 1);
+// int4 keys' codes of one 64-element chunk as four fp32 vectors in element order (bytes 0-15's low nibbles are
+// elements 0-15, bytes 16-31's elements 16-31, their high nibbles 32-63).
+inline void int4_key_chunk(const uint8_t* bytes, __m512 out[4]) {
+  const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m512i second = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(first, nibble));
+  out[1] = _mm512_cvtepi32_ps(_mm512_and_si512(second, nibble));
+  out[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4));
+  out[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(second, 4));
 }
 
-// The chunk's two scales spread over the int32 lanes of int4_codes' order: lanes 0-3 and 8-11 hold the chunk's
-// first 32 elements, lanes 4-7 and 12-15 its last 32.
-inline __m512 int4_lane_scales(const uint16_t* scales) {
-  const __m512 both = _mm512_castps128_ps512(int4_chunk_scales(scales));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), both);
-}
-
-// Asks for the K and V rows (codes and scales) of tokens [t0 + kPrefetchDistance - 16, t0 + kPrefetchDistance),
-// all the first kPrefetchDistance at t0 = 0. rows: (slot, KV head) indices.
-inline void prefetch_int4_rows(const kvq::Source& keys, const kvq::Source& values, const std::vector<int64_t>& rows,
-                               int64_t t0) {
-  const int64_t num_tokens = static_cast<int64_t>(rows.size());
-  for (int64_t i = t0 == 0 ? 0 : t0 + kPrefetchDistance - 16; i < std::min(t0 + kPrefetchDistance, num_tokens); ++i) {
-    prefetch_int4_row(keys, rows[i]);
-    prefetch_int4_row(values, rows[i]);
-  }
-}
-
-// Scores of every query row of the group, 16 keys at a time: each key's nibbles and lane scales are unpacked once
-// for all rows, each lane's integer dot product is scaled by its group's scale, then the lanes are summed.
+// Scores of every query row of the group over int4 keys, 16 keys at a time: each key widened once, one vector of
+// lane products per key and row, then the lanes of 16 keys summed together (horizontal_sums16).
 template <int kHeadDim>
-void scores_int4_vnni(const float* qf, const kvq::Source& keys, const kvq::Source& values,
-                      const std::vector<int64_t>& rows, int64_t group, float* scores) {
-  constexpr int kVectors = kHeadDim / 64;
-  const int64_t num_tokens = static_cast<int64_t>(rows.size());
-  std::vector<QueryCodes<kVectors>> queries(group);
-  for (int64_t g = 0; g < group; ++g) {
-    alignas(64) float permuted[kHeadDim];  // the row in int4_codes' element order
-    to_nibble_order<kHeadDim>(qf + g * kHeadDim, permuted);
-    queries[g].init(permuted, 8);
-  }
-  for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
-    const int64_t count = std::min<int64_t>(16, num_tokens - t0);
-    prefetch_int4_rows(keys, values, rows, t0);
-    __m512i codes[16][kVectors];
-    __m512 lane_scales[16][kVectors];
-    for (int i = 0; i < 16; ++i) {
-      const int64_t row = rows[t0 + std::min<int64_t>(i, count - 1)];
-      const uint8_t* bytes = keys.data + row * (kHeadDim / 2);
-      const uint16_t* row_scales = static_cast<const uint16_t*>(keys.scales) + row * (kHeadDim / kvq::kInt4Group);
-      for (int c = 0; c < kVectors; ++c) {
-        codes[i][c] = int4_codes(bytes + c * 32);
-        lane_scales[i][c] = int4_lane_scales(row_scales + 2 * c);
+void scores_int4_keys(const float* qf, const kvq::Source& keys, const kvq::Source& values, const int64_t* table,
+                      int64_t first_token, int64_t end_token, int64_t block_size, int64_t kv_head, int64_t group,
+                      const std::vector<int64_t>& rows, float* scores, std::vector<float>& scratch) {
+  constexpr int kVectors = kHeadDim / 16;
+  const int64_t num_tokens = end_token - first_token;
+  scratch.resize(group * (kHeadDim + 1 + 16 * 16) + 16);
+  float* qs = scratch.data();
+  float* bias = qs + group * kHeadDim;
+  float* dots = bias + group;  // [group][16 keys][16 lanes]
+  for_each_key_block(keys, values, table, first_token, end_token, block_size, kv_head, rows,
+                     [&](const uint8_t* channel, int64_t t0, int64_t t1) {
+    int4_key_block_queries<kHeadDim>(qf, channel, group, qs, bias);
+    for (int64_t t = t0; t < t1; t += 16) {
+      const int64_t count = std::min<int64_t>(16, t1 - t);
+      for (int64_t i = 0; i < 16; ++i) {
+        __m512 key[kVectors];
+        if (i < count) {
+          for (int c = 0; c < kHeadDim / 64; ++c) int4_key_chunk(keys.data + rows[t + i] * (kHeadDim / 2) + c * 32, key + 4 * c);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 dot = _mm512_setzero_ps();
+          if (i < count)
+            for (int c = 0; c < kVectors; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qs + g * kHeadDim + 16 * c), key[c], dot);
+          _mm512_storeu_ps(dots + (g * 16 + i) * 16, dot);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 lanes[16];
+        for (int i = 0; i < 16; ++i) lanes[i] = _mm512_loadu_ps(dots + (g * 16 + i) * 16);
+        _mm512_mask_storeu_ps(scores + g * num_tokens + t, static_cast<__mmask16>((1u << count) - 1),
+                              _mm512_add_ps(horizontal_sums16(lanes), _mm512_set1_ps(bias[g])));
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 dots[16];
-      for (int i = 0; i < 16; ++i) {
-        __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(queries[g].dot(codes[i][0], 0)), lane_scales[i][0]);
-        for (int c = 1; c < kVectors; ++c)
-          dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(queries[g].dot(codes[i][c], c)), lane_scales[i][c], dot);
-        dots[i] = dot;
-      }
-      _mm512_mask_storeu_ps(scores + g * num_tokens + t0, static_cast<__mmask16>((1u << count) - 1),
-                            _mm512_mul_ps(horizontal_sums16(dots), _mm512_set1_ps(queries[g].unit)));
-    }
-  }
+  });
 }
 
 // Probability-weighted sums of int4 value rows for up to RegisterPlan's kMaxGroup query rows (their accumulators
@@ -455,8 +473,7 @@ void values_int4(const kvq::Source& values, const std::vector<int64_t>& rows, co
       _mm512_storeu_ps(acc + g * kHeadDim + c * 16,
                        _mm512_sub_ps(sum[g][c], _mm512_set1_ps(8.f * weights[g][c / 2])));
 }
-#endif
-#endif
+#endif  // __AVX512F__
 
 #if defined(KVSERVE_SIMD) && !defined(__AVX512F__)
 // AVX2 has 16 registers: too few to hold a GQA group's query rows and accumulators at once, so each query row
@@ -534,61 +551,43 @@ inline void int4_nibbles(const uint8_t* bytes, __m256i& low, __m256i& high) {
   high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
 }
 
+// Scores of every query row of the group over int4 keys: each key widened once into 8-lane fp32 vectors (low
+// nibbles of bytes 8k..8k+7 are elements 8k.., their high ones 32 + 8k..), then one dot product per query row.
 template <int kHeadDim>
-struct Int4QueryRow {
-  alignas(32) float permuted[kHeadDim];  // the row in the codes' order
-  float offset_sums[kHeadDim / kvq::kInt4Group];  // 8 x each group's sum: what the codes' +8 adds to its dot
-
-  explicit Int4QueryRow(const float* row) {
-    to_nibble_order<kHeadDim>(row, permuted);
-    for (int group = 0; group < kHeadDim / kvq::kInt4Group; ++group) {
-      float sum = 0.f;
-      for (int d = 0; d < kvq::kInt4Group; ++d) sum += row[group * kvq::kInt4Group + d];
-      offset_sums[group] = 8.f * sum;
-    }
-  }
-
-  float dot(const uint8_t* bytes, const uint16_t* scales) const {
-    __m256 total = _mm256_setzero_ps();
-    float offset = 0.f;
-    for (int c = 0; c < kHeadDim / 64; ++c) {
-      __m256i low, high;
-      int4_nibbles(bytes + c * 32, low, high);
-      const __m128 pair = int4_chunk_scales(scales + 2 * c);
-      const __m128 chunk_scales[2] = {pair, _mm_movehdup_ps(pair)};
-      for (int h = 0; h < 2; ++h) {  // the chunk's first and last 32 elements
-        __m256 codes[4];
-        int4_half_codes(low, high, h, codes);
-        const float* q = permuted + c * 64 + h * 16;
-        __m256 acc = _mm256_mul_ps(_mm256_load_ps(q), codes[0]);
-        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 8), codes[1], acc);
-        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 32), codes[2], acc);
-        acc = _mm256_fmadd_ps(_mm256_load_ps(q + 40), codes[3], acc);
-        total = _mm256_fmadd_ps(_mm256_broadcastss_ps(chunk_scales[h]), acc, total);
-        offset += _mm_cvtss_f32(chunk_scales[h]) * offset_sums[2 * c + h];
+void scores_int4_keys(const float* qf, const kvq::Source& keys, const kvq::Source& values, const int64_t* table,
+                      int64_t first_token, int64_t end_token, int64_t block_size, int64_t kv_head, int64_t group,
+                      const std::vector<int64_t>& rows, float* scores, std::vector<float>& scratch) {
+  using simd::Simd;
+  constexpr int kVectors = kHeadDim / 8;
+  const int64_t num_tokens = end_token - first_token;
+  scratch.resize(group * (kHeadDim + 1));
+  float* qs = scratch.data();
+  float* bias = qs + group * kHeadDim;
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  for_each_key_block(keys, values, table, first_token, end_token, block_size, kv_head, rows,
+                     [&](const uint8_t* channel, int64_t t0, int64_t t1) {
+    int4_key_block_queries<kHeadDim>(qf, channel, group, qs, bias);
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* bytes = keys.data + rows[t] * (kHeadDim / 2);
+      alignas(32) float key[kHeadDim];
+      for (int c = 0; c < kHeadDim / 64; ++c)
+        for (int k = 0; k < 4; ++k) {
+          const __m256i packed = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + c * 32 + 8 * k)));
+          _mm256_store_ps(key + c * 64 + 8 * k, _mm256_cvtepi32_ps(_mm256_and_si256(packed, nibble)));
+          _mm256_store_ps(key + c * 64 + 32 + 8 * k, _mm256_cvtepi32_ps(_mm256_srli_epi32(packed, 4)));
+        }
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = qs + g * kHeadDim;
+        __m256 even = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_load_ps(key));
+        __m256 odd = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_load_ps(key + 8));
+        for (int c = 2; c < kVectors; c += 2) {
+          even = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_load_ps(key + 8 * c), even);
+          odd = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c + 8), _mm256_load_ps(key + 8 * c + 8), odd);
+        }
+        scores[g * num_tokens + t] = Simd::reduce_add(_mm256_add_ps(even, odd)) + bias[g];
       }
     }
-    return simd::Simd::reduce_add(total) - offset;
-  }
-};
-
-// Each query row walks the keys on its own (as scores_avx2 does); the first asks for K and V ahead.
-template <int kHeadDim>
-void scores_int4_avx2(const float* qf, const kvq::Source& keys, const kvq::Source& values,
-                      const std::vector<int64_t>& rows, int64_t group, float* scores) {
-  constexpr int kGroups = kHeadDim / kvq::kInt4Group;
-  const int64_t num_tokens = static_cast<int64_t>(rows.size());
-  const uint16_t* key_scales = static_cast<const uint16_t*>(keys.scales);
-  for (int64_t g = 0; g < group; ++g) {
-    const Int4QueryRow<kHeadDim> query(qf + g * kHeadDim);
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      if (g == 0 && t + kPrefetchDistance < num_tokens) {
-        prefetch_int4_row(keys, rows[t + kPrefetchDistance]);
-        prefetch_int4_row(values, rows[t + kPrefetchDistance]);
-      }
-      scores[g * num_tokens + t] = query.dot(keys.data + rows[t] * (kHeadDim / 2), key_scales + rows[t] * kGroups);
-    }
-  }
+  });
 }
 
 // Probability-weighted sums of int4 value rows, one query row and one 64-element chunk per walk over the
@@ -818,16 +817,16 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   }
 }
 
-// int4 is read in place with VNNI under bf16 queries, and with fp32 products on AVX2 (whose fp32 queries keep
-// fp32 scores); other AVX-512 families decode it into scratch (paged_decode_attention_quantized).
-#if defined(__AVX512VNNI__) || (defined(KVSERVE_SIMD) && !defined(__AVX512F__))
+// int4 is read in place on AVX-512 and AVX2 (fp32 products); other builds decode it into scratch
+// (paged_decode_attention_quantized).
+#if defined(KVSERVE_SIMD)
 #define KVSERVE_INT4_IN_PLACE 1
 // decode_task over an int4 cache read in place (head sizes 64 and 128): the same partial result.
 template <typename q_t, int kHeadDim>
 void decode_task_int4(const q_t* q, const kvq::Source& keys, const kvq::Source& values, const int64_t* table,
                       int64_t end_token, int64_t first_token, int64_t block_size, int64_t kv_head, int64_t group,
                       float scale, float* partial, std::vector<float>& scores, std::vector<float>& qf,
-                      std::vector<int64_t>& rows) {
+                      std::vector<int64_t>& rows, std::vector<float>& scratch) {
   const int64_t num_tokens = end_token - first_token;
   float* row_max = partial + group * kHeadDim;
   scores.resize(group * num_tokens);
@@ -837,28 +836,22 @@ void decode_task_int4(const q_t* q, const kvq::Source& keys, const kvq::Source& 
   rows.clear();
   for (int64_t pos = first_token; pos < end_token; ++pos)
     rows.push_back((table[pos / block_size] * block_size + pos % block_size) * keys.num_kv_heads + kv_head);
-#if defined(__AVX512VNNI__)
+  scores_int4_keys<kHeadDim>(qf.data(), keys, values, table, first_token, end_token, block_size, kv_head, group, rows,
+                             scores.data(), scratch);
+  exp_rows(scores.data(), group, num_tokens, row_max, row_max + group);
+#if defined(__AVX512F__)
   // The values pass takes the group's query rows kMaxGroup at a time (their accumulators in registers).
   constexpr int kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
-  scores_int4_vnni<kHeadDim>(qf.data(), keys, values, rows, group, scores.data());
-  exp_rows(scores.data(), group, num_tokens, row_max, row_max + group);
   for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup)
     values_int4<kHeadDim>(values, rows, scores.data() + g0 * num_tokens, std::min<int64_t>(kMaxGroup, group - g0),
                           partial + g0 * kHeadDim);
 #else
-  scores_int4_avx2<kHeadDim>(qf.data(), keys, values, rows, group, scores.data());
-  exp_rows(scores.data(), group, num_tokens, row_max, row_max + group);
   values_int4_avx2<kHeadDim>(values, rows, scores.data(), group, partial);
 #endif
 }
 
-// Whether this build reads an int4 cache in place for queries of this dtype and head size.
-inline bool int4_in_place(c10::ScalarType q_dtype, int64_t head_dim) {
-#if defined(__AVX512VNNI__)
-  if (q_dtype != torch::kBFloat16) return false;
-#endif
-  return head_dim == 64 || head_dim == 128;
-}
+// Whether this build reads an int4 cache in place for this head size.
+inline bool int4_in_place(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 #endif
 
 // Softmax-weighted sums over a whole context from its parts' partial results (flash-decoding's reduction):
@@ -1029,8 +1022,8 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_data.size(1), num_kv_heads = k_data.size(2);
   check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
-  const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim);
-  const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim);
+  const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim, true);
+  const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim, false);
   // int8 and fp8 are read in place: their bytes are the cache's elements, their scales applied outside.
   auto in_place = [&](const auto* k_elements, const auto* v_elements, double query_scale, CacheScales cache_scales) {
     return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_in_place", [&] {
@@ -1054,16 +1047,16 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
   auto out = torch::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
 #if defined(KVSERVE_INT4_IN_PLACE)
-  if (format == kvq::kInt4 && int4_in_place(q.scalar_type(), head_dim)) {
+  if (format == kvq::kInt4 && int4_in_place(head_dim)) {
     const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_int4_in_place", [&] {
       const auto task_fn = head_dim == 64 ? decode_task_int4<scalar_t, 64> : decode_task_int4<scalar_t, 128>;
       const scalar_t* q_ptr = q.data_ptr<scalar_t>();
       run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<scalar_t>(),
-                [&](const Part& part, float* partial, auto& scores, auto& qf, auto&, auto& rows, auto&, auto&) {
+                [&](const Part& part, float* partial, auto& scores, auto& qf, auto& scratch, auto& rows, auto&, auto&) {
                   task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, keys, values,
                           tables + part.seq * max_blocks, part.end, part.first, block_size, part.kv_head, group,
-                          static_cast<float>(scale), partial, scores, qf, rows);
+                          static_cast<float>(scale), partial, scores, qf, rows, scratch);
                 });
     });
     return out;
@@ -1233,6 +1226,8 @@ void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor sl
                         double v_tensor_scale, int64_t format);
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_cache,
               torch::Tensor v_cache);
+void write_int4_keys(torch::Tensor key, torch::Tensor plan, torch::Tensor codes, torch::Tensor channels,
+                     torch::Tensor stage);
 
 // prefill_attention.cpp, prefill_attention_fp32.cpp
 void paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -1283,6 +1278,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention_bf16_quantized", &paged_prefill_attention_bf16_quantized,
         "bf16 prefill attention over a paged fp8/int8/int4 KV cache (CPU, AVX512-BF16)");
   m.def("write_kv", &write_kv, "copy new K/V rows into their slots of an unquantized cache (CPU)");
+  m.def("write_int4_keys", &write_int4_keys, "quantize int4 keys block by block from their staged originals (CPU)");
   m.def("write_quantized_kv", &write_quantized_kv, "quantize new K/V rows into their slots of an fp8/int8/int4 cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm of the residual (CPU)");

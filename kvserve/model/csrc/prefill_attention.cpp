@@ -286,8 +286,8 @@ void paged_prefill_attention_bf16_quantized(torch::Tensor q, torch::Tensor k_dat
                                             torch::Tensor query_starts, torch::Tensor num_past, double scale,
                                             int64_t sliding_window, torch::Tensor out) {
   const int64_t head_dim = q.size(2), block_size = k_data.size(1);
-  const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim);
-  const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim);
+  const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim, true);
+  const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim, false);
   prefill_bf16(q, k_data.sizes(), block_tables, query_starts, num_past, scale, sliding_window, out,
                [&](const Segment& seg, int64_t h, uint16_t* k_dst, uint16_t* v_dst) {
                  pack_head_quantized(seg, keys, values, block_size, h, head_dim, k_dst, v_dst);
