@@ -125,6 +125,12 @@ void for_each_key_block(const kvq::Source& keys, const kvq::Source& values, cons
       prefetch_int4_row(keys, rows[i]);
       prefetch_int4_row(values, rows[i]);
     }
+    // and the channel bytes of the block as far ahead (two cache lines at head size 64, four at 128)
+    const int64_t ahead = (pos + kPrefetchDistance) / block_size;
+    if (ahead * block_size < end_token) {
+      const char* bytes = reinterpret_cast<const char*>(keys.block_channels(table[ahead], kv_head));
+      for (int64_t line = 0; line < 2 * keys.head_dim; line += 64) _mm_prefetch(bytes + line, _MM_HINT_T0);
+    }
     score(keys.block_channels(table[block], kv_head), t0, t1);
     pos = stop;
   }
@@ -388,40 +394,58 @@ inline void int4_key_chunk(const uint8_t* bytes, __m512 out[4]) {
   out[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(second, 4));
 }
 
-// Scores of every query row of the group over int4 keys, 16 keys at a time: each key widened once, one vector of
-// lane products per key and row, then the lanes of 16 keys summed together (horizontal_sums16).
+// A block's steps and zero points as fp32 vectors (kvq::byte_scales8, 16 lanes).
+template <int kHeadDim>
+inline void int4_key_channels(const uint8_t* channel, __m512 step[], __m512 zero[]) {
+  for (int c = 0; c < kHeadDim / 16; ++c) {
+    const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(channel + 16 * c)));
+    const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_srli_epi32(code, 3), _mm512_set1_epi32(107)), 23);
+    const __m512i mantissa = _mm512_slli_epi32(_mm512_and_si512(code, _mm512_set1_epi32(7)), 20);
+    step[c] = _mm512_castsi512_ps(_mm512_or_si512(exponent, mantissa));
+    zero[c] = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(channel + kHeadDim + 16 * c))));
+  }
+}
+
+// Scores of every query row of the group over int4 keys, 16 keys at a time: the tile's keys widened once into fp32
+// scratch (L1); then per query row, qs = q x step in registers, one vector of lane products per key started from
+// the lanes of q . (z x step) (so the bias needs no reduction of its own), and the lanes of the 16 keys summed
+// together (horizontal_sums16).
 template <int kHeadDim>
 void scores_int4_keys(const float* qf, const kvq::Source& keys, const kvq::Source& values, const int64_t* table,
                       int64_t first_token, int64_t end_token, int64_t block_size, int64_t kv_head, int64_t group,
-                      const std::vector<int64_t>& rows, float* scores, std::vector<float>& scratch) {
+                      const std::vector<int64_t>& rows, float* scores, std::vector<float>&) {
   constexpr int kVectors = kHeadDim / 16;
   const int64_t num_tokens = end_token - first_token;
-  scratch.resize(group * (kHeadDim + 1 + 16 * 16) + 16);
-  float* qs = scratch.data();
-  float* bias = qs + group * kHeadDim;
-  float* dots = bias + group;  // [group][16 keys][16 lanes]
+  alignas(64) float tile[16 * kHeadDim];
   for_each_key_block(keys, values, table, first_token, end_token, block_size, kv_head, rows,
                      [&](const uint8_t* channel, int64_t t0, int64_t t1) {
-    int4_key_block_queries<kHeadDim>(qf, channel, group, qs, bias);
+    __m512 step[kVectors], zero[kVectors];
+    int4_key_channels<kHeadDim>(channel, step, zero);
     for (int64_t t = t0; t < t1; t += 16) {
       const int64_t count = std::min<int64_t>(16, t1 - t);
       for (int64_t i = 0; i < 16; ++i) {
         __m512 key[kVectors];
         if (i < count) {
           for (int c = 0; c < kHeadDim / 64; ++c) int4_key_chunk(keys.data + rows[t + i] * (kHeadDim / 2) + c * 32, key + 4 * c);
+        } else {
+          for (int c = 0; c < kVectors; ++c) key[c] = _mm512_setzero_ps();
         }
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 dot = _mm512_setzero_ps();
-          if (i < count)
-            for (int c = 0; c < kVectors; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qs + g * kHeadDim + 16 * c), key[c], dot);
-          _mm512_storeu_ps(dots + (g * 16 + i) * 16, dot);
-        }
+        for (int c = 0; c < kVectors; ++c) _mm512_store_ps(tile + i * kHeadDim + 16 * c, key[c]);
       }
       for (int64_t g = 0; g < group; ++g) {
-        __m512 lanes[16];
-        for (int i = 0; i < 16; ++i) lanes[i] = _mm512_loadu_ps(dots + (g * 16 + i) * 16);
+        __m512 q[kVectors], bias = _mm512_setzero_ps(), dots[16];
+        for (int c = 0; c < kVectors; ++c) {
+          q[c] = _mm512_mul_ps(_mm512_loadu_ps(qf + g * kHeadDim + 16 * c), step[c]);
+          bias = _mm512_fmadd_ps(q[c], zero[c], bias);
+        }
+        for (int i = 0; i < 16; ++i) {
+          __m512 dot = _mm512_fmadd_ps(q[0], _mm512_load_ps(tile + i * kHeadDim), bias);
+          for (int c = 1; c < kVectors; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_load_ps(tile + i * kHeadDim + 16 * c), dot);
+          dots[i] = dot;
+        }
         _mm512_mask_storeu_ps(scores + g * num_tokens + t, static_cast<__mmask16>((1u << count) - 1),
-                              _mm512_add_ps(horizontal_sums16(lanes), _mm512_set1_ps(bias[g])));
+                              horizontal_sums16(dots));
       }
     }
   });
@@ -525,6 +549,79 @@ void values_avx2(const scalar_t* v_cache, const std::vector<int64_t>& offsets, c
       }
       for (int c = 0; c < kSlice; ++c) Simd::store(acc + g * kHeadDim + d0 + c * Simd::kLanes, sum[c]);
     }
+  }
+}
+
+// fp8 rows cost several instructions a vector to widen (simd.h), which the walks above repeat for every query row
+// of the group. These widen each tile of 16 keys (or values) once into fp32 scratch in L1, which every row of the
+// group then reads.
+constexpr int kTile = 16;
+
+template <typename scalar_t, int kHeadDim>
+inline void widen_tile(const scalar_t* cache, const std::vector<int64_t>& offsets, int64_t t0, int64_t count,
+                       float* tile) {
+  // 16 bytes at a time: one sign extension and one shift for two fp16 conversions (simd.h's loads, twice as wide)
+  constexpr bool kE4m3 = std::is_same_v<scalar_t, Fp8E4m3>;
+  for (int64_t i = 0; i < count; ++i)
+    for (int c = 0; c < kHeadDim; c += 16) {
+      const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cache + offsets[t0 + i] + c)));
+      const __m256i half = kE4m3 ? _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)))
+                                 : _mm256_slli_epi16(wide, 8);
+      _mm256_store_ps(tile + i * kHeadDim + c, _mm256_cvtph_ps(_mm256_castsi256_si128(half)));
+      _mm256_store_ps(tile + i * kHeadDim + c + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)));
+    }
+}
+
+template <typename scalar_t, int kHeadDim>
+void scores_avx2_tiled(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache,
+                       const std::vector<int64_t>& offsets, int64_t group, float* scores) {
+  using simd::Simd;
+  constexpr int kChunks = kHeadDim / Simd::kLanes;
+  const int64_t num_tokens = static_cast<int64_t>(offsets.size());
+  alignas(32) float tile[kTile * kHeadDim];
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += kTile) {
+    const int64_t count = std::min<int64_t>(kTile, num_tokens - t0);
+    prefetch_ahead(k_cache, v_cache, offsets, t0, kHeadDim);
+    widen_tile<scalar_t, kHeadDim>(k_cache, offsets, t0, count, tile);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = qf + g * kHeadDim;
+      for (int64_t i = 0; i < count; ++i) {
+        Simd::V even = Simd::zero(), odd = Simd::zero();
+        for (int c = 0; c < kChunks; c += 2) {
+          even = Simd::fmadd(Simd::load(q + c * Simd::kLanes), Simd::load(tile + i * kHeadDim + c * Simd::kLanes), even);
+          odd = Simd::fmadd(Simd::load(q + (c + 1) * Simd::kLanes), Simd::load(tile + i * kHeadDim + (c + 1) * Simd::kLanes), odd);
+        }
+        scores[g * num_tokens + t0 + i] = Simd::reduce_add(Simd::add(even, odd));
+      }
+    }
+  }
+}
+
+template <typename scalar_t, int kHeadDim>
+void values_avx2_tiled(const scalar_t* v_cache, const std::vector<int64_t>& offsets, const float* probs,
+                       int64_t group, float* acc) {
+  using simd::Simd;
+  constexpr int kSlice = std::min(kHeadDim / Simd::kLanes, 8);  // accumulators held per row and walk
+  const int64_t num_tokens = static_cast<int64_t>(offsets.size());
+  alignas(32) float tile[kTile * kHeadDim];
+  std::fill(acc, acc + group * kHeadDim, 0.f);
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += kTile) {
+    const int64_t count = std::min<int64_t>(kTile, num_tokens - t0);
+    for (int64_t i = t0 + kPrefetchDistance; i < std::min(t0 + kPrefetchDistance + kTile, num_tokens); ++i)
+      prefetch_row(v_cache + offsets[i], kHeadDim);
+    widen_tile<scalar_t, kHeadDim>(v_cache, offsets, t0, count, tile);
+    for (int64_t g = 0; g < group; ++g)
+      for (int d0 = 0; d0 < kHeadDim; d0 += kSlice * Simd::kLanes) {
+        float* out = acc + g * kHeadDim + d0;
+        Simd::V sum[kSlice];
+        for (int c = 0; c < kSlice; ++c) sum[c] = Simd::load(out + c * Simd::kLanes);
+        for (int64_t i = 0; i < count; ++i) {
+          const Simd::V p = Simd::set1(probs[g * num_tokens + t0 + i]);
+          for (int c = 0; c < kSlice; ++c)
+            sum[c] = Simd::fmadd(p, Simd::load(tile + i * kHeadDim + d0 + c * Simd::kLanes), sum[c]);
+        }
+        for (int c = 0; c < kSlice; ++c) Simd::store(out + c * Simd::kLanes, sum[c]);
+      }
   }
 }
 
@@ -754,6 +851,12 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0 && !std::is_same_v<scalar_t, double>) {
     offsets.clear();
     for_each_token([&](int64_t, int64_t offset) { offsets.push_back(offset); });
+    constexpr bool kFp8 = std::is_same_v<scalar_t, Fp8E4m3> || std::is_same_v<scalar_t, Fp8E5m2>;
+    if constexpr (kFp8) {
+      scores_avx2_tiled<scalar_t, kHeadDim>(qf.data(), k_cache, v_cache, offsets, group, scores.data());
+      softmax();
+      return values_avx2_tiled<scalar_t, kHeadDim>(v_cache, offsets, scores.data(), group, acc);
+    }
     scores_avx2<scalar_t, kHeadDim>(qf.data(), k_cache, v_cache, offsets, group, scores.data());
     softmax();
     return values_avx2<scalar_t, kHeadDim>(v_cache, offsets, scores.data(), group, acc);
