@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
@@ -380,3 +381,31 @@ def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
                           (record, 2, 100, 30, "http://a", conversation, entries),
                           (record, 3, 100, 0, "http://a", conversation, entries),
                           (None, 0, 0, 0, None, [], [None]), (None, 0, 0, 0, None, [], [])]
+
+
+def test_the_start_up_line_masks_the_redis_and_backend_passwords(monkeypatch, caplog):
+    import uvicorn
+
+    from kvserve.gateway.cli import serve
+    from kvserve.gateway.settings import GatewaySettings
+
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    settings = GatewaySettings(backends=["http://ops:b4ckend@10.0.0.5:8000"],
+                               redis_url="redis://:r3dis@10.0.0.9:6379/0")
+    with caplog.at_level(logging.INFO, logger="kvserve.gateway"):
+        assert serve(settings, "127.0.0.1", 8080, "info") == 0
+    assert "redis://:***@10.0.0.9:6379/0" in caplog.text and "http://ops:***@10.0.0.5:8000" in caplog.text
+    assert "r3dis" not in caplog.text and "b4ckend" not in caplog.text
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:pw@host:6379/0", "redis://:***@host:6379/0"),
+    ("redis://user:p@ss@host/0", "redis://user:***@host/0"),
+    ("redis://secret@host", "redis://***@host"),
+    ("http://host:8000", "http://host:8000"),
+    ("rediss://u:p@host?x=@y", "rediss://u:***@host?x=@y"),
+])
+def test_urls_are_shown_with_their_password_masked(url, shown):
+    from kvserve.gateway.urls import redacted_url
+
+    assert redacted_url(url) == shown

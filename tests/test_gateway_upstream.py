@@ -124,6 +124,31 @@ def test_a_client_leaving_mid_stream_closes_the_upstream_connection(tmp_path):
         stub.stop()
 
 
+def with_password(url: str) -> str:
+    return url.replace("http://", "http://operator:s3cret@")
+
+
+def test_backend_passwords_are_masked_in_headers_health_metrics_and_errors(tmp_path):
+    ok, busy = stubs = started("ok", "busy")
+    serving = start_gateway(gateway_settings([with_password(ok.url)], state_path=str(tmp_path / "a.sqlite3")))
+    refusing = start_gateway(gateway_settings([with_password(busy.url)], state_path=str(tmp_path / "b.sqlite3")))
+    masked = with_password(ok.url).replace("s3cret", "***")
+    try:
+        answered = post(serving)
+        assert answered.status_code == 200 and answered.headers["x-kvserve-backend"] == masked
+        assert httpx.get(f"{serving.url}/health", timeout=10).json()["backends_up"] == [masked]
+        metrics_text = httpx.get(f"{serving.url}/metrics", timeout=10).text
+        assert f'backend="{masked}"' in metrics_text
+        error = assert_envelope(post(refusing), 503)
+        assert "operator:***@" in error["message"]
+        assert "s3cret" not in httpx.get(f"{refusing.url}/metrics", timeout=10).text + error["message"] + metrics_text
+    finally:
+        for gateway in (serving, refusing):
+            gateway.stop()
+        for stub in stubs:
+            stub.stop()
+
+
 def test_the_completion_routes_fast_path_answers_like_fastapi(tmp_path, monkeypatch):
     import kvserve.gateway.app
 

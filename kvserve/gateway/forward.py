@@ -70,7 +70,7 @@ class Exchange:
     reservation: TokenReservation | None = None  # the key's tokens/min taken at admission, settled at the end
 
     def response_headers(self, upstream: Upstream) -> dict[str, str]:
-        headers = {BACKEND_HEADER: upstream.backend.url, ROUTE_HEADER: upstream.decision.reason}
+        headers = {BACKEND_HEADER: upstream.backend.shown_url, ROUTE_HEADER: upstream.decision.reason}
         if self.limit is not None:
             headers.update(self.limit.headers())
         return headers
@@ -217,8 +217,8 @@ async def _whole_response(gateway: Gateway, exchange: Exchange, upstream: Upstre
     try:
         content = await upstream.response.read()
     except aiohttp.ClientError as exc:
-        gateway.metrics.requests.labels(upstream.backend.url, BACKEND_ERROR).inc()
-        raise APIError(502, f"backend {upstream.backend.url} failed while answering: {type(exc).__name__}",
+        gateway.metrics.requests.labels(upstream.backend.shown_url, BACKEND_ERROR).inc()
+        raise APIError(502, f"backend {upstream.backend.shown_url} failed while answering: {type(exc).__name__}",
                        type=SERVER_ERROR, code="backend_error") from None
     finally:
         await upstream.close()
@@ -232,7 +232,7 @@ async def _whole_response(gateway: Gateway, exchange: Exchange, upstream: Upstre
         count_tokens = BackgroundTask(_settle_tokens, gateway, exchange, _total_tokens(completion))
     else:  # the backend refused it or failed: no tokens were served
         count_tokens = BackgroundTask(_settle_tokens, gateway, exchange, 0)
-    gateway.metrics.requests.labels(upstream.backend.url, _outcome(status)).inc()
+    gateway.metrics.requests.labels(upstream.backend.shown_url, _outcome(status)).inc()
     media_type = upstream.response.headers.get("content-type", "application/json")
     return Response(content, status_code=status, media_type=media_type, headers=exchange.response_headers(upstream),
                     background=count_tokens)
@@ -249,7 +249,7 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
         except aiohttp.ClientError as exc:
             # Too late to retry: tokens reached the client. Say so in the stream, as the engine itself would.
             outcome[0] = BACKEND_ERROR
-            error = APIError(502, f"backend {upstream.backend.url} failed mid-stream: {type(exc).__name__}",
+            error = APIError(502, f"backend {upstream.backend.shown_url} failed mid-stream: {type(exc).__name__}",
                              type=SERVER_ERROR, code="backend_error")
             yield f"data: {json.dumps(error.envelope())}\n\n".encode()
             return
@@ -259,7 +259,7 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
         await upstream.close()
         if outcome[0] == BACKEND_ERROR:
             upstream.backend.breaker.on_failure()
-        gateway.metrics.requests.labels(upstream.backend.url, outcome[0]).inc()
+        gateway.metrics.requests.labels(upstream.backend.shown_url, outcome[0]).inc()
         await _settle_tokens(gateway, exchange, _stream_tokens(exchange, tap))
         if tap.done:
             _observe_cache(gateway, exchange, upstream, tap.usage)
@@ -274,7 +274,7 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
 
 def _observe_cache(gateway: Gateway, exchange: Exchange, upstream: Upstream, usage: object) -> None:
     if gateway.router.observe_cache(upstream.decision, exchange.block_hashes, *cache_counts(usage)):
-        gateway.metrics.prefix_expiries.labels(upstream.backend.url, "missed").inc()
+        gateway.metrics.prefix_expiries.labels(upstream.backend.shown_url, "missed").inc()
 
 
 async def _record_turn(gateway: Gateway, exchange: Exchange, answer: str | None) -> None:

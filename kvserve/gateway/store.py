@@ -31,6 +31,7 @@ from typing import Protocol
 from kvserve.gateway.prefix import PrefixEntry, live_entries
 from kvserve.gateway.recent import RecentWrites
 from kvserve.gateway.request_state import RequestState, StateQuery
+from kvserve.gateway.urls import redacted_url
 
 PREFIX = "kvgw:"
 
@@ -142,7 +143,7 @@ class RedisStore:
         try:
             return await coroutine
         except self._errors as exc:
-            raise StoreUnavailable(f"Redis at {_redacted(self.url)} is unavailable ({type(exc).__name__})") from None
+            raise StoreUnavailable(f"Redis at {redacted_url(self.url)} is unavailable ({type(exc).__name__})") from None
 
     async def ping(self) -> None:
         await self._call(self.redis.ping())
@@ -479,10 +480,3 @@ async def drain_background() -> None:
     while _background:
         await asyncio.gather(*list(_background), return_exceptions=True)
 
-
-def _redacted(url: str) -> str:
-    # redis://user:password@host -> redis://***@host: the 503 message must not leak Redis's password.
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return scheme + sep + rest
