@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 import httpx
@@ -32,6 +33,7 @@ class StubBackend:
         self.answer = answer
         self.completions = 0
         self.stream_closed = threading.Event()
+        self.request_closed = threading.Event()  # a "hang" request's client (the gateway) closed its connection
 
         async def completions(request: Request) -> Response:
             await request.body()
@@ -40,6 +42,10 @@ class StubBackend:
                 return JSONResponse({"error": {"message": "queue full"}}, status_code=503)
             if self.answer == "silent":
                 await asyncio.sleep(30)
+            if self.answer == "hang":  # as an engine still generating: it answers when its client has left
+                await asyncio.wait_for(_disconnected(request), timeout=30)
+                self.request_closed.set()
+                return Response(status_code=499)
             if self.answer == "stream":
                 return StreamingResponse(self._events(), media_type="text/event-stream")
             return JSONResponse(COMPLETION)
@@ -61,6 +67,11 @@ class StubBackend:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def started(*answers: str) -> list[StubBackend]:
@@ -118,6 +129,26 @@ def test_a_client_leaving_mid_stream_closes_the_upstream_connection(tmp_path):
             assert not stub.stream_closed.is_set()
         assert stub.stream_closed.wait(timeout=10)  # long before its 1,000 events (20 s) were sent
         assert wait_until(lambda: metric(gateway.metrics(), "kvserve:gateway_requests_total", backend=stub.url,
+                                         outcome="client_disconnected") == 1)
+    finally:
+        gateway.stop()
+        stub.stop()
+
+
+def test_a_client_leaving_before_a_whole_answer_closes_the_upstream_connection(tmp_path):
+    (stub,) = started("hang")
+    gateway = start_gateway(gateway_settings([stub.url], state_path=str(tmp_path / "gw.sqlite3")))
+    try:
+        body = json.dumps({"model": "stub", "prompt": "hi"}).encode()
+        host, port = gateway.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert wait_until(lambda: stub.completions == 1)  # the backend is at work on it
+            assert not stub.request_closed.is_set()
+        assert stub.request_closed.wait(timeout=10)  # the gateway dropped its request, long before 30 s
+        # No backend answered (its answer's headers come with the whole answer): counted as such.
+        assert wait_until(lambda: metric(gateway.metrics(), "kvserve:gateway_requests_total", backend="none",
                                          outcome="client_disconnected") == 1)
     finally:
         gateway.stop()

@@ -21,6 +21,7 @@ from kvserve.gateway.cache_scope import cache_salt_for
 from kvserve.gateway.conversation import (
     ConversationTurn, answer_of, put_history_first, record_turn, take_conversation,
 )
+from kvserve.gateway.disconnect import ClientLeft, unless_client_leaves
 from kvserve.gateway.key_cache import VerifiedKeys
 from kvserve.gateway.keys import KeyRecord, check_key, verify_key
 from kvserve.gateway.limits import LimitState
@@ -41,6 +42,7 @@ from kvserve.server.sse import SSE_HEADERS
 SESSION_HEADER = "x-session-id"
 BACKEND_HEADER = "x-kvserve-backend"  # which backend answered, and why: for operators and tests
 ROUTE_HEADER = "x-kvserve-route"
+CLIENT_CLOSED_REQUEST = 499
 
 logger = logging.getLogger("kvserve.gateway")
 
@@ -68,6 +70,7 @@ class Exchange:
     session_id: str | None
     block_hashes: list[str]  # the prompt's blocks as sent (history included), for the prefix index
     reservation: TokenReservation | None = None  # the key's tokens/min taken at admission, settled at the end
+    upstream: Upstream | None = None  # once a backend took the request
 
     def response_headers(self, upstream: Upstream) -> dict[str, str]:
         headers = {BACKEND_HEADER: upstream.backend.shown_url, ROUTE_HEADER: upstream.decision.reason}
@@ -167,10 +170,28 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
     content = upstream_content(raw, body, turn is not None or drop_usage,
                                salt if salt != fields.cache_salt else None)
     exchange = Exchange(path, body, key, limit, turn, session_id, block_hashes, reservation)
-    upstream = await _open(gateway, exchange, content, state)
+    try:
+        return await unless_client_leaves(request, _answer(gateway, exchange, content, state, stream, drop_usage))
+    except ClientLeft:
+        return _client_left(gateway, exchange)
+
+
+async def _answer(gateway: Gateway, exchange: Exchange, content: bytes, state: RequestState, stream: bool,
+                  drop_usage: bool) -> Response:
+    upstream = exchange.upstream = await _open(gateway, exchange, content, state)
     if stream and upstream.response.status == 200:
         return _stream_response(gateway, exchange, upstream, StreamTap(drop_usage_event=drop_usage))
     return await _whole_response(gateway, exchange, upstream)
+
+
+def _client_left(gateway: Gateway, exchange: Exchange) -> Response:
+    """The client left before its answer began: the upstream request was cancelled, so the backend aborts it.
+    Charged its prompt, as a stream cut short before its first token."""
+    backend = exchange.upstream.backend.shown_url if exchange.upstream else "none"
+    gateway.metrics.requests.labels(backend, CLIENT_GONE).inc()
+    if exchange.reservation is not None:
+        _refund(gateway, exchange.reservation, exchange.reservation.prompt_tokens)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; nginx's code in case a log does
 
 
 async def _read_state(gateway: Gateway, presented: tuple[str, KeyRecord] | None, turn: ConversationTurn | None,
@@ -291,10 +312,11 @@ async def _settle_tokens(gateway: Gateway, exchange: Exchange, used_tokens: int 
             logger.warning("could not settle a request's tokens: %s", exc)
 
 
-def _refund(gateway: Gateway, reservation: TokenReservation | None) -> None:
-    """Gives back what a request that will be served nothing reserved (in the background: it is answered now)."""
+def _refund(gateway: Gateway, reservation: TokenReservation | None, used_tokens: int = 0) -> None:
+    """Gives back what a request reserved beyond `used_tokens` (none: it will be served nothing), in the
+    background: it is answered now."""
     if reservation is not None:
-        spawn(limits.settle(gateway.store, reservation, 0))
+        spawn(limits.settle(gateway.store, reservation, used_tokens))
 
 
 def _stream_tokens(exchange: Exchange, tap: StreamTap) -> int | None:
