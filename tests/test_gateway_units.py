@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import time
 
 import pytest
@@ -18,7 +19,8 @@ from kvserve.gateway.keys import create_key, hash_key, key_id_of, verify_key
 from kvserve.gateway.limits import admit
 from kvserve.gateway.token_budget import TokenCost
 from kvserve.gateway.prefix import longest_match, prefix_block_hashes
-from kvserve.gateway.store import SQLiteStore, StoreLimits
+from kvserve.gateway.sqlite_store import SQLiteStore
+from kvserve.gateway.store import StoreLimits
 from kvserve.gateway.stream import StreamTap, sse_events
 
 NODES = [f"http://10.0.0.{i}:8000" for i in range(4)]
@@ -236,6 +238,87 @@ def test_conversations_keep_order_and_their_bound(store):
         return [m["content"] for m in await store.conversation_load("c")]
 
     assert asyncio.run(scenario()) == ["1", "2", "3", "4"]
+
+
+def table_rows(path, table: str) -> int:
+    with sqlite3.connect(path) as db:
+        return db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def test_the_sqlite_store_deletes_what_its_ttls_expire(tmp_path):
+    path = tmp_path / "state.sqlite3"
+    now = [1000.0]
+    limits = StoreLimits(session_ttl_s=300, prefix_ttl_s=100, conversation_ttl_s=200)
+    sqlite = SQLiteStore(str(path), limits, clock=lambda: now[0])
+
+    async def fill(tag: str) -> None:
+        await sqlite.set_session(f"s-{tag}", "http://a", None)
+        await sqlite.prefix_record([f"h-{tag}"], "http://a")
+        await sqlite.conversation_append(f"c-{tag}", [{"role": "user", "content": "hi"}])
+        await sqlite.counter_add(f"k:tokens:{tag}", 5, 65)
+        await sqlite.key_put(f"k-{tag}", {"key_id": f"k-{tag}", "created_at": now[0]})
+
+    def counts() -> list[int]:
+        return [table_rows(path, table) for table in ("sessions", "prefixes", "messages", "counters", "api_keys")]
+
+    async def scenario() -> None:
+        await fill("old")
+        now[0] += 150  # past the counter's and the prefix's TTLs, and a sweep interval
+        await fill("new")
+        assert counts() == [2, 1, 2, 1, 2]
+        now[0] += 160  # the old session (300 s) and conversation (200 s) are past theirs now; the new ones are not
+        await sqlite.ping()
+        assert counts() == [1, 0, 1, 0, 2]  # API keys never expire
+        assert await sqlite.get_session("s-new") == "http://a" and await sqlite.get_session("s-old") is None
+
+    asyncio.run(scenario())
+    asyncio.run(sqlite.close())
+
+
+def test_a_locked_state_file_waits_off_the_event_loop(tmp_path, monkeypatch):
+    import kvserve.gateway.sqlite_store
+
+    monkeypatch.setattr(kvserve.gateway.sqlite_store, "BUSY_TIMEOUT_S", 30.0)  # the lock goes before it ends
+    path = tmp_path / "state.sqlite3"
+    sqlite = SQLiteStore(str(path), StoreLimits())
+    other_process = sqlite3.connect(path, isolation_level=None)
+
+    async def scenario() -> None:
+        other_process.execute("BEGIN IMMEDIATE")  # another gateway writing, slowly
+        write = asyncio.create_task(sqlite.set_session("s", "http://a", None))
+        ticked = asyncio.Event()
+        asyncio.get_running_loop().call_soon(ticked.set)
+        await ticked.wait()  # scheduled after the write: the loop ran on while the write waits
+        assert not write.done()
+        other_process.execute("ROLLBACK")
+        await asyncio.wait_for(write, timeout=30)
+        assert await sqlite.get_session("s") == "http://a"
+
+    asyncio.run(scenario())
+    asyncio.run(sqlite.close())
+    other_process.close()
+
+
+def test_a_state_file_locked_past_the_busy_timeout_is_store_unavailable(tmp_path):
+    from kvserve.gateway.store import StoreUnavailable
+
+    path = tmp_path / "state.sqlite3"
+    sqlite = SQLiteStore(str(path), StoreLimits())
+    other_process = sqlite3.connect(path, isolation_level=None)
+
+    async def scenario() -> None:
+        other_process.execute("BEGIN IMMEDIATE")
+        with pytest.raises(StoreUnavailable, match="is busy: another process held its write lock"):
+            await sqlite.set_session("s", "http://a", None)
+        with pytest.raises(StoreUnavailable, match="is busy"):  # a transaction's BEGIN, its ROLLBACK failing too
+            await sqlite.conversation_append("c", [{"role": "user", "content": "hi"}])
+        assert await sqlite.get_session("s") is None  # reads go on meanwhile (WAL)
+        other_process.execute("ROLLBACK")
+        await sqlite.set_session("s", "http://a", None)
+
+    asyncio.run(scenario())
+    asyncio.run(sqlite.close())
+    other_process.close()
 
 
 def test_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):

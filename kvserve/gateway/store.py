@@ -11,21 +11,17 @@ What is stored:
 - counters: rate-limit windows (they expire with their window);
 - API keys: salted hashes and limits, never the key itself.
 
-Every method is async so the Redis store never blocks the event loop; the SQLite one runs its statements
-inline (a local file, microseconds per statement) under a lock, which keeps one code path for both.
-Failures of the store raise `StoreUnavailable`, which the app answers with a 503.
+Every method is async: the Redis store never blocks the event loop, and the SQLite one (sqlite_store.py) runs
+its statements on a thread of its own. Both expire what they keep by the same TTLs (StoreLimits). Failures of
+the store raise `StoreUnavailable`, which the app answers with a 503.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import sqlite3
-import threading
 import time
-from pathlib import Path
 from typing import Protocol
 
 from kvserve.gateway.prefix import PrefixEntry, live_entries
@@ -78,6 +74,8 @@ def open_store(redis_url: str | None, state_path: str, limits: StoreLimits | Non
     limits = limits or StoreLimits()
     if redis_url:
         return RedisStore(redis_url, limits)
+    from kvserve.gateway.sqlite_store import SQLiteStore  # it imports this module's StoreLimits
+
     return SQLiteStore(state_path, limits)
 
 
@@ -286,176 +284,6 @@ class RedisStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
-
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, backend TEXT NOT NULL, seen REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS sessions_by_backend ON sessions (backend, seen);
-CREATE TABLE IF NOT EXISTS prefixes (block_hash TEXT PRIMARY KEY, backend TEXT NOT NULL, seen REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS horizons (backend TEXT PRIMARY KEY, horizon REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS messages (conversation_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
-                                     seen REAL NOT NULL, PRIMARY KEY (conversation_id, seq));
-CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL, expires REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS api_keys (key_id TEXT PRIMARY KEY, body TEXT NOT NULL);
-"""
-
-
-class SQLiteStore:
-    def __init__(self, path: str, limits: StoreLimits) -> None:
-        self.path = path
-        self.limits = limits
-        Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        try:
-            # Autocommit, WAL and a busy timeout: several gateway processes may share one file.
-            self.db = sqlite3.connect(Path(path).expanduser(), isolation_level=None, check_same_thread=False,
-                                      timeout=5.0)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            # No fsync per commit (WAL makes that safe against corruption): a commit costs microseconds, not a
-            # millisecond, on every request; a power cut may lose the last moments of routing state, never the file.
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.executescript(SCHEMA)
-        except sqlite3.Error as exc:
-            raise StoreUnavailable(f"state file {path}: {exc}") from None
-        self.lock = threading.Lock()
-
-    def _run(self, sql: str, params: tuple = (), many: list[tuple] | None = None) -> list[tuple]:
-        with self.lock:
-            try:
-                if many is not None:
-                    self.db.executemany(sql, many)
-                    return []
-                return self.db.execute(sql, params).fetchall()
-            except sqlite3.Error as exc:
-                raise StoreUnavailable(f"state file {self.path}: {exc}") from None
-
-    async def ping(self) -> None:
-        self._run("SELECT 1")
-
-    async def get_session(self, session_id: str) -> str | None:
-        now = time.time()
-        rows = self._run("SELECT backend FROM sessions WHERE session_id = ? AND seen > ?",
-                         (session_id, now - self.limits.session_ttl_s))
-        if not rows:
-            return None
-        self._run("UPDATE sessions SET seen = ? WHERE session_id = ?", (now, session_id))
-        return rows[0][0]
-
-    async def set_session(self, session_id: str, backend: str, previous: str | None) -> None:
-        self._run("INSERT INTO sessions VALUES (?, ?, ?) ON CONFLICT (session_id) DO UPDATE "
-                  "SET backend = excluded.backend, seen = excluded.seen", (session_id, backend, time.time()))
-
-    async def session_counts(self) -> dict[str, int]:
-        rows = self._run("SELECT backend, count(*) FROM sessions WHERE seen > ? GROUP BY backend",
-                         (time.time() - self.limits.session_ttl_s,))
-        return {backend: count for backend, count in rows}
-
-    async def prefix_lookup(self, block_hashes: list[str]) -> list[str | None]:
-        if not block_hashes:
-            return []
-        marks = ",".join("?" * len(block_hashes))
-        rows = self._run(f"SELECT block_hash, prefixes.backend, seen FROM prefixes LEFT JOIN horizons "
-                         f"ON horizons.backend = prefixes.backend WHERE block_hash IN ({marks}) AND seen > ? "
-                         f"AND seen > coalesce(horizon, 0)",
-                         (*block_hashes, time.time() - self.limits.prefix_ttl_s))
-        found = {block_hash: (backend, seen) for block_hash, backend, seen in rows}
-        return [found.get(h) for h in block_hashes]
-
-    async def prefix_record(self, block_hashes: list[str], backend: str) -> None:
-        now = time.time()
-        self._run("INSERT OR REPLACE INTO prefixes VALUES (?, ?, ?)", many=[(h, backend, now) for h in block_hashes])
-
-    async def prefix_expire(self, backend: str, horizon: float) -> None:
-        self._run("INSERT INTO horizons VALUES (?, ?) ON CONFLICT (backend) DO UPDATE "
-                  "SET horizon = max(horizon, excluded.horizon)", (backend, horizon))
-
-    async def conversation_load(self, conversation_id: str) -> list[dict]:
-        rows = self._run("SELECT body FROM messages WHERE conversation_id = ? AND seen > ? ORDER BY seq",
-                         (conversation_id, time.time() - self.limits.conversation_ttl_s))
-        return [json.loads(body) for (body,) in rows]
-
-    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None:
-        now = time.time()
-        with self._transaction():
-            (last,) = self.db.execute("SELECT coalesce(max(seq), -1) FROM messages WHERE conversation_id = ?",
-                                      (conversation_id,)).fetchone()
-            rows = [(conversation_id, last + 1 + i, json.dumps(m, ensure_ascii=False), now)
-                    for i, m in enumerate(messages)]
-            self.db.executemany("INSERT INTO messages VALUES (?, ?, ?, ?)", rows)
-            newest = last + len(messages)
-            self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND seq <= ?",
-                            (conversation_id, newest - self.limits.conversation_max_messages))
-            # The TTL runs from the last turn, as Redis's EXPIRE on every append does.
-            self.db.execute("UPDATE messages SET seen = ? WHERE conversation_id = ?", (now, conversation_id))
-
-    @contextlib.contextmanager
-    def _transaction(self):
-        """BEGIN IMMEDIATE ... COMMIT under the lock; any SQLite error, a failed ROLLBACK included (a BEGIN that
-        never began has nothing to roll back), is a StoreUnavailable, never a 500."""
-        with self.lock:
-            try:
-                self.db.execute("BEGIN IMMEDIATE")
-                yield
-                self.db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    self.db.execute("ROLLBACK")
-                raise StoreUnavailable(f"state file {self.path}: {exc}") from None
-
-    async def counter_add(self, name: str, amount: int, ttl_s: int) -> int:
-        now = time.time()
-        self._run("DELETE FROM counters WHERE name = ? AND expires <= ?", (name, now))
-        rows = self._run("INSERT INTO counters VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE "
-                         "SET value = value + excluded.value RETURNING value", (name, amount, now + ttl_s))
-        return int(rows[0][0])
-
-    def _reserve_tokens(self, query: StateQuery) -> tuple[int, int]:
-        """(the window's tokens, what this request reserved: 0 if refused), as the Redis script decides."""
-        cost, limit, name = query.tokens_cost, query.tokens_limit, query.tokens_counter
-        with self._transaction():
-            now = time.time()
-            rows = self.db.execute("SELECT value FROM counters WHERE name = ? AND expires > ?", (name, now)).fetchall()
-            used = int(rows[0][0]) if rows else 0
-            if used + cost.wanted > limit:
-                return used, 0
-            reserved = limit - used if cost.completion_tokens is None else cost.wanted
-            self.db.execute("INSERT OR REPLACE INTO counters VALUES (?, ?, ?)",
-                            (name, used + reserved, now + query.counter_ttl_s))
-            return used + reserved, reserved
-
-    async def counter_get(self, name: str) -> int:
-        rows = self._run("SELECT value FROM counters WHERE name = ? AND expires > ?", (name, time.time()))
-        return int(rows[0][0]) if rows else 0
-
-    async def key_put(self, key_id: str, record: dict) -> None:
-        self._run("INSERT OR REPLACE INTO api_keys VALUES (?, ?)", (key_id, json.dumps(record)))
-
-    async def key_get(self, key_id: str) -> dict | None:
-        rows = self._run("SELECT body FROM api_keys WHERE key_id = ?", (key_id,))
-        return json.loads(rows[0][0]) if rows else None
-
-    async def key_list(self) -> list[dict]:
-        rows = self._run("SELECT body FROM api_keys")
-        return sorted((json.loads(body) for (body,) in rows), key=lambda r: r["created_at"])
-
-    async def read_request_state(self, query: StateQuery) -> RequestState:
-        # A local file: the statements one after another cost microseconds, no round trips to save.
-        state = RequestState()
-        if query.key_id is not None:
-            state.key_record = await self.key_get(query.key_id)
-        if query.requests_counter is not None:
-            state.requests_used = await self.counter_add(query.requests_counter, 1, query.counter_ttl_s)
-        if query.tokens_counter is not None:
-            state.tokens_used, state.tokens_reserved = self._reserve_tokens(query)
-        if query.session_id is not None:
-            state.session_backend = await self.get_session(query.session_id)
-        if query.conversation_id is not None:
-            state.conversation = await self.conversation_load(query.conversation_id)
-        state.prefix_entries = await self.prefix_lookup(query.prefix_hashes)
-        return state
-
-    async def close(self) -> None:
-        with self.lock:
-            self.db.close()
 
 
 _background: set[asyncio.Task] = set()
