@@ -492,3 +492,46 @@ def test_urls_are_shown_with_their_password_masked(url, shown):
     from kvserve.gateway.urls import redacted_url
 
     assert redacted_url(url) == shown
+
+
+def test_both_stores_append_a_request_once_and_trim_keeping_the_system_prompt(tmp_path):
+    from gateway_harness import REDIS_CLI, REDIS_SERVER, start_redis
+
+    from kvserve.gateway.store import RedisStore
+
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+    redis = start_redis(tmp_path / "redis")
+    system = {"role": "system", "content": "Be terse."}
+
+    def turn(index: int) -> list[dict]:
+        return [{"role": "user", "content": f"q{index}"}, {"role": "assistant", "content": f"a{index}"}]
+
+    async def scenario(store) -> list[list[str]]:
+        seen = []
+        await store.conversation_append("c", [system, *turn(0)], "r0")
+        await store.conversation_append("c", [system, *turn(0)], "r0")  # a retry: nothing appended
+        seen.append([m["content"] for m in await store.conversation_load("c")])
+        for index in range(1, 4):  # 7 messages past a bound of 5: the oldest turns go, the system prompt stays
+            await store.conversation_append("c", turn(index), f"r{index}")
+            seen.append([m["content"] for m in await store.conversation_load("c")])
+        await store.conversation_append("c", turn(3), "r3")
+        await store.conversation_append("d", [{"role": "user", "content": "x"}] * 7)  # no system prompt to keep
+        await store.conversation_append("d", [{"role": "user", "content": "y"}])  # no request id: appended
+        seen.append([m["content"] for m in await store.conversation_load("d")])
+        await store.close()
+        return seen
+
+    limits = StoreLimits(conversation_max_messages=5)
+    try:
+        from_redis = asyncio.run(scenario(RedisStore(redis.url, limits)))
+        from_sqlite = asyncio.run(scenario(SQLiteStore(str(tmp_path / "state.sqlite3"), limits)))
+    finally:
+        redis.stop()
+    assert from_redis == from_sqlite == [
+        ["Be terse.", "q0", "a0"],
+        ["Be terse.", "q0", "a0", "q1", "a1"],
+        ["Be terse.", "q1", "a1", "q2", "a2"],
+        ["Be terse.", "q2", "a2", "q3", "a3"],
+        ["x", "x", "x", "x", "y"],
+    ]

@@ -19,7 +19,7 @@ from kvserve.gateway import limits
 from kvserve.gateway.backends import Backend
 from kvserve.gateway.cache_scope import cache_salt_for
 from kvserve.gateway.conversation import (
-    ConversationTurn, answer_of, put_history_first, record_turn, take_conversation,
+    IDEMPOTENCY_HEADER, ConversationTurn, answer_of, put_history_first, record_turn, take_conversation,
 )
 from kvserve.gateway.disconnect import ClientLeft, unless_client_leaves
 from kvserve.gateway.key_cache import VerifiedKeys
@@ -152,7 +152,8 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
     raw, body, fields = await read_completion_body(request, gateway.settings.max_request_bytes, chat)
     if "conversation" in body and not chat:
         raise bad_request("conversation is only for /v1/chat/completions", param="conversation")
-    turn = take_conversation(body, key.key_id if key else None) if chat else None
+    request_id = request.headers.get(IDEMPOTENCY_HEADER)
+    turn = take_conversation(body, key.key_id if key else None, request_id) if chat else None
     session_id = turn.session_id if turn else _header_session(request) or _user_of(body)
     salt = cache_salt_for(key, fields.cache_salt, gateway.settings.cache_sharing)
     block_hashes = [] if turn else prefix_block_hashes(body, gateway.settings.prefix_block_chars, salt)

@@ -39,10 +39,18 @@ CREATE TABLE IF NOT EXISTS horizons (backend TEXT PRIMARY KEY, horizon REAL NOT 
 CREATE TABLE IF NOT EXISTS messages (conversation_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
                                      seen REAL NOT NULL, PRIMARY KEY (conversation_id, seq));
 CREATE INDEX IF NOT EXISTS messages_by_seen ON messages (seen);
+CREATE TABLE IF NOT EXISTS turns (conversation_id TEXT NOT NULL, request_id TEXT NOT NULL, seen REAL NOT NULL,
+                                  PRIMARY KEY (conversation_id, request_id));
+CREATE INDEX IF NOT EXISTS turns_by_seen ON turns (seen);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL, expires REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS counters_by_expiry ON counters (expires);
 CREATE TABLE IF NOT EXISTS api_keys (key_id TEXT PRIMARY KEY, body TEXT NOT NULL);
 """
+
+
+def _is_system(body: str) -> bool:
+    message = json.loads(body)
+    return isinstance(message, dict) and message.get("role") == "system"
 
 
 class SQLiteStore:
@@ -109,6 +117,7 @@ class SQLiteStore:
         self.db.execute("DELETE FROM sessions WHERE seen <= ?", (now - limits.session_ttl_s,))
         self.db.execute("DELETE FROM prefixes WHERE seen <= ?", (now - limits.prefix_ttl_s,))
         self.db.execute("DELETE FROM messages WHERE seen <= ?", (now - limits.conversation_ttl_s,))
+        self.db.execute("DELETE FROM turns WHERE seen <= ?", (now - limits.conversation_ttl_s,))
         self.db.execute("DELETE FROM counters WHERE expires <= ?", (now,))
 
     # The Store interface: each call one trip to the store's thread.
@@ -141,8 +150,9 @@ class SQLiteStore:
     async def conversation_load(self, conversation_id: str) -> list[dict]:
         return await self._call(self._conversation_load, conversation_id)
 
-    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None:
-        await self._call(self._conversation_append, conversation_id, messages)
+    async def conversation_append(self, conversation_id: str, messages: list[dict],
+                                  request_id: str | None = None) -> None:
+        await self._call(self._conversation_append, conversation_id, messages, request_id)
 
     async def counter_add(self, name: str, amount: int, ttl_s: int) -> int:
         return await self._call(self._counter_add, name, amount, ttl_s)
@@ -194,26 +204,52 @@ class SQLiteStore:
 
     def _prefix_record(self, block_hashes: list[str], backend: str) -> None:
         now = self.clock()
-        self.db.executemany("INSERT OR REPLACE INTO prefixes VALUES (?, ?, ?)", [(h, backend, now) for h in block_hashes])
+        self.db.executemany("INSERT OR REPLACE INTO prefixes VALUES (?, ?, ?)",
+                            [(h, backend, now) for h in block_hashes])
 
     def _conversation_load(self, conversation_id: str) -> list[dict]:
         rows = self._rows("SELECT body FROM messages WHERE conversation_id = ? AND seen > ? ORDER BY seq",
                           (conversation_id, self.clock() - self.limits.conversation_ttl_s))
         return [json.loads(body) for (body,) in rows]
 
-    def _conversation_append(self, conversation_id: str, messages: list[dict]) -> None:
+    def _conversation_append(self, conversation_id: str, messages: list[dict], request_id: str | None) -> None:
+        """As the Redis script: once per request id, then trimmed past the bound keeping the leading system
+        messages."""
         now = self.clock()
         with self._transaction():
+            if request_id is not None and not self.db.execute(
+                    "INSERT OR IGNORE INTO turns VALUES (?, ?, ?)", (conversation_id, request_id, now)).rowcount:
+                return  # this request's turn is stored already
             (last,) = self.db.execute("SELECT coalesce(max(seq), -1) FROM messages WHERE conversation_id = ?",
                                       (conversation_id,)).fetchone()
             rows = [(conversation_id, last + 1 + i, json.dumps(m, ensure_ascii=False), now)
                     for i, m in enumerate(messages)]
             self.db.executemany("INSERT INTO messages VALUES (?, ?, ?, ?)", rows)
-            newest = last + len(messages)
-            self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND seq <= ?",
-                            (conversation_id, newest - self.limits.conversation_max_messages))
+            self._trim_conversation(conversation_id)
             # The TTL runs from the last turn, as Redis's EXPIRE on every append does.
             self.db.execute("UPDATE messages SET seen = ? WHERE conversation_id = ?", (now, conversation_id))
+
+    def _trim_conversation(self, conversation_id: str) -> None:
+        bound = self.limits.conversation_max_messages
+        (count,) = self.db.execute("SELECT count(*) FROM messages WHERE conversation_id = ?",
+                                   (conversation_id,)).fetchone()
+        if count <= bound:
+            return
+        head = self._leading_system_seqs(conversation_id, bound - 1)
+        # Seqs have gaps once a trim kept a head: the newest rows are counted, not computed from seq.
+        self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND seq > ? AND seq NOT IN (SELECT seq FROM "
+                        "messages WHERE conversation_id = ? ORDER BY seq DESC LIMIT ?)",
+                        (conversation_id, head[-1] if head else -1, conversation_id, bound - len(head)))
+
+    def _leading_system_seqs(self, conversation_id: str, most: int) -> list[int]:
+        seqs = []
+        with contextlib.closing(self.db.execute("SELECT seq, body FROM messages WHERE conversation_id = ? "
+                                                "ORDER BY seq LIMIT ?", (conversation_id, most))) as rows:
+            for seq, body in rows:  # read lazily: the first that is not a system message ends it
+                if not _is_system(body):
+                    break
+                seqs.append(seq)
+        return seqs
 
     @contextlib.contextmanager
     def _transaction(self):

@@ -7,7 +7,9 @@ What is stored:
 - the prefix index: prompt-block hash -> the backend that last served a prompt starting with that block chain,
   and when; plus each backend's cache horizon: entries recorded at or before it are gone from that backend's
   cache (it evicted them or restarted, see prefix_feedback) and no longer route;
-- conversations: the messages of each conversation, in order, bounded in length, expiring after a TTL;
+- conversations: the messages of each conversation, in order, expiring after a TTL, bounded in length: past the
+  bound the oldest messages go, except the leading system message(s); an append that names a request id is
+  made once, a retry of the same request appends nothing;
 - counters: rate-limit windows (they expire with their window);
 - API keys: salted hashes and limits, never the key itself.
 
@@ -47,7 +49,8 @@ class Store(Protocol):
     async def prefix_record(self, block_hashes: list[str], backend: str) -> None: ...
     async def prefix_expire(self, backend: str, horizon: float) -> None: ...
     async def conversation_load(self, conversation_id: str) -> list[dict]: ...
-    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None: ...
+    async def conversation_append(self, conversation_id: str, messages: list[dict],
+                                  request_id: str | None = None) -> None: ...
     async def counter_add(self, name: str, amount: int, ttl_s: int) -> int: ...
     async def counter_get(self, name: str) -> int: ...
     async def key_put(self, key_id: str, record: dict) -> None: ...
@@ -121,6 +124,30 @@ return out
 """
 
 
+# conversation_append's script. KEYS: the conversation, then the request's turn marker if it has an id. ARGV: the
+# most messages kept, the TTL, then the messages. The marker (SET NX) makes a retried request's append a no-op.
+# Past the bound the list keeps its leading system messages (read one by one: usually one) and the newest rest.
+APPEND_SCRIPT = """
+local conversation, bound, ttl = KEYS[1], tonumber(ARGV[1]), ARGV[2]
+if KEYS[2] and not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ttl) then return 0 end
+for first = 3, #ARGV, 1000 do
+  redis.call('RPUSH', conversation, unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+redis.call('EXPIRE', conversation, ttl)
+if redis.call('LLEN', conversation) <= bound then return 1 end
+local head = {}
+while #head < bound - 1 do
+  local item = redis.call('LINDEX', conversation, #head)
+  local ok, message = pcall(cjson.decode, item)
+  if not ok or type(message) ~= 'table' or message.role ~= 'system' then break end
+  head[#head + 1] = item
+end
+redis.call('LTRIM', conversation, #head - bound, -1)
+for index = #head, 1, -1 do redis.call('LPUSH', conversation, head[index]) end
+return 1
+"""
+
+
 class RedisStore:
     def __init__(self, url: str, limits: StoreLimits) -> None:
         import redis.asyncio as redis
@@ -136,6 +163,7 @@ class RedisStore:
                                           health_check_interval=0)
         self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._read_state = self.redis.register_script(READ_STATE_SCRIPT)
+        self._append = self.redis.register_script(APPEND_SCRIPT)
 
     async def _call(self, coroutine):
         try:
@@ -208,13 +236,14 @@ class RedisStore:
         items = await self._call(self.redis.lrange(f"{PREFIX}conversation:{conversation_id}", 0, -1))
         return [json.loads(item) for item in items]
 
-    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None:
-        key = f"{PREFIX}conversation:{conversation_id}"
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.rpush(key, *[json.dumps(m, ensure_ascii=False) for m in messages])
-        pipe.ltrim(key, -self.limits.conversation_max_messages, -1)
-        pipe.expire(key, self.limits.conversation_ttl_s)
-        await self._call(pipe.execute())
+    async def conversation_append(self, conversation_id: str, messages: list[dict],
+                                  request_id: str | None = None) -> None:
+        keys = [f"{PREFIX}conversation:{conversation_id}"]
+        if request_id is not None:
+            keys.append(f"{PREFIX}turn:{conversation_id}:{request_id}")
+        args = [self.limits.conversation_max_messages, self.limits.conversation_ttl_s,
+                *(json.dumps(m, ensure_ascii=False) for m in messages)]
+        await self._call(self._append(keys=keys, args=args))
 
     async def counter_add(self, name: str, amount: int, ttl_s: int) -> int:
         pipe = self.redis.pipeline(transaction=True)
