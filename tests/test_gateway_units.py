@@ -19,6 +19,7 @@ from kvserve.gateway.keys import create_key, hash_key, key_id_of, verify_key
 from kvserve.gateway.limits import admit
 from kvserve.gateway.token_budget import TokenCost
 from kvserve.gateway.prefix import longest_match, prefix_block_hashes
+from kvserve.gateway.request_state import StateQuery
 from kvserve.gateway.sqlite_store import SQLiteStore
 from kvserve.gateway.store import StoreLimits
 from kvserve.gateway.stream import StreamTap, sse_events
@@ -421,38 +422,44 @@ def test_a_held_session_stays_on_a_full_pool_and_leaves_a_queue(tmp_path):
     asyncio.run(sqlite.close())
 
 
-def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
-    from gateway_harness import REDIS_CLI, REDIS_SERVER, start_redis
-
-    from kvserve.gateway.request_state import StateQuery
-    from kvserve.gateway.store import RedisStore
+def needs_redis_server() -> None:
+    from gateway_harness import REDIS_CLI, REDIS_SERVER
 
     if REDIS_SERVER is None or REDIS_CLI is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+
+
+async def read_whole_states(store) -> list:
+    """A request's state read five ways, after one of everything was stored."""
+    await store.key_put("k1", {"key_id": "k1", "created_at": 1})
+    await store.counter_add("k1:tokens:7", 40, 65)
+    await store.set_session("s1", "http://a", None)
+    await store.conversation_append("u/c1", [{"role": "user", "content": "hi"}], "r1")
+    await store.prefix_record(["h1", "h2"], "http://a")
+    await store.prefix_record(["h3"], "http://b")
+    await store.prefix_expire("http://b", time.time() + 60)  # b's entries are gone from its cache
+    full = StateQuery(key_id="k1", requests_counter="k1:requests:7", tokens_counter="k1:tokens:7",
+                      tokens_limit=100, tokens_cost=TokenCost(10, 20), counter_ttl_s=65, session_id="s1",
+                      conversation_id="u/c1", prefix_hashes=["h1", "h2", "h3", "h4"])
+    states = [await store.read_request_state(full), await store.read_request_state(full),
+              await store.read_request_state(full),
+              await store.read_request_state(StateQuery(key_id="nobody", session_id="s2", prefix_hashes=["h9"])),
+              await store.read_request_state(StateQuery())]
+    await store.close()
+    return [(s.key_record, s.requests_used, s.tokens_used, s.tokens_reserved, s.session_backend,
+             s.conversation, [e and e[0] for e in s.prefix_entries]) for s in states]
+
+
+def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
+    from gateway_harness import start_redis
+
+    from kvserve.gateway.store import RedisStore
+
+    needs_redis_server()
     redis = start_redis(tmp_path / "redis")
-
-    async def scenario(store) -> list:
-        await store.key_put("k1", {"key_id": "k1", "created_at": 1})
-        await store.counter_add("k1:tokens:7", 40, 65)
-        await store.set_session("s1", "http://a", None)
-        await store.conversation_append("u/c1", [{"role": "user", "content": "hi"}])
-        await store.prefix_record(["h1", "h2"], "http://a")
-        await store.prefix_record(["h3"], "http://b")
-        await store.prefix_expire("http://b", time.time() + 60)  # b's entries are gone from its cache
-        full = StateQuery(key_id="k1", requests_counter="k1:requests:7", tokens_counter="k1:tokens:7",
-                          tokens_limit=100, tokens_cost=TokenCost(10, 20), counter_ttl_s=65, session_id="s1",
-                          conversation_id="u/c1", prefix_hashes=["h1", "h2", "h3", "h4"])
-        states = [await store.read_request_state(full), await store.read_request_state(full),
-                  await store.read_request_state(full),
-                  await store.read_request_state(StateQuery(key_id="nobody", session_id="s2", prefix_hashes=["h9"])),
-                  await store.read_request_state(StateQuery())]
-        await store.close()
-        return [(s.key_record, s.requests_used, s.tokens_used, s.tokens_reserved, s.session_backend,
-                 s.conversation, [e and e[0] for e in s.prefix_entries]) for s in states]
-
     try:
-        from_redis = asyncio.run(scenario(RedisStore(redis.url, StoreLimits())))
-        from_sqlite = asyncio.run(scenario(SQLiteStore(str(tmp_path / "state.sqlite3"), StoreLimits())))
+        from_redis = asyncio.run(read_whole_states(RedisStore(redis.url, StoreLimits())))
+        from_sqlite = asyncio.run(read_whole_states(SQLiteStore(str(tmp_path / "state.sqlite3"), StoreLimits())))
     finally:
         redis.stop()
     assert from_redis == from_sqlite
@@ -464,6 +471,64 @@ def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
                           (record, 2, 100, 30, "http://a", conversation, entries),
                           (record, 3, 100, 0, "http://a", conversation, entries),
                           (None, 0, 0, 0, None, [], [None]), (None, 0, 0, 0, None, [], [])]
+
+
+def test_every_redis_key_is_in_one_cluster_slot_so_redis_cluster_takes_every_script(tmp_path):
+    from redis.crc import key_slot
+
+    from gateway_harness import start_redis
+
+    from kvserve.gateway.store import RedisStore
+
+    needs_redis_server()
+    plain, cluster = start_redis(tmp_path / "plain"), start_redis(tmp_path / "cluster", cluster=True)
+
+    async def more_writes(store) -> None:  # what read_whole_states does not: a moved session, the counts
+        await store.set_session("s1", "http://b", "http://a")
+        assert await store.session_counts() == {"http://a": 0, "http://b": 1}
+        assert [e and e[0] for e in await store.prefix_lookup(["h1", "h9"])] == ["http://a", None]
+        await store.close()
+
+    try:
+        from_plain = asyncio.run(read_whole_states(RedisStore(plain.url, StoreLimits())))
+        # A cluster refuses a script, MULTI or MGET whose keys are in two slots (CROSSSLOT) on one node as on many.
+        assert asyncio.run(read_whole_states(RedisStore(cluster.url, StoreLimits()))) == from_plain
+        asyncio.run(more_writes(RedisStore(cluster.url, StoreLimits())))
+        slots = {key_slot(name.encode()) for name in cluster.cli("KEYS", "*").split()}
+    finally:
+        plain.stop()
+        cluster.stop()
+    assert slots == {key_slot(b"{kvgw}")}
+
+
+def test_api_keys_and_conversations_of_the_untagged_layout_are_moved(tmp_path):
+    from gateway_harness import start_redis
+
+    from kvserve.gateway.store import RedisStore
+
+    needs_redis_server()
+    redis = start_redis(tmp_path / "redis")
+    record = {"key_id": "k1", "created_at": 1}
+    redis.cli("HSET", "kvgw:keys", "k1", json.dumps(record))
+    redis.cli("RPUSH", "kvgw:conversation:k1/c1", json.dumps({"role": "user", "content": "hi"}))
+    redis.cli("EXPIRE", "kvgw:conversation:k1/c1", "500")
+
+    async def scenario():
+        store = RedisStore(redis.url, StoreLimits())
+        moved = [await store.move_old_keys(), await store.move_old_keys()]
+        found = (await store.key_get("k1"), await store.conversation_load("k1/c1"))
+        await store.close()
+        return moved, found
+
+    try:
+        moved, found = asyncio.run(scenario())
+        ttl = int(redis.cli("TTL", "{kvgw}:conversation:k1/c1"))
+        left = redis.cli("KEYS", "kvgw:*").split()
+    finally:
+        redis.stop()
+    assert moved == [(1, 1), (0, 0)]
+    assert found == (record, [{"role": "user", "content": "hi"}])
+    assert 0 < ttl <= 500 and left == []
 
 
 def test_the_start_up_line_masks_the_redis_and_backend_passwords(monkeypatch, caplog):
@@ -495,12 +560,11 @@ def test_urls_are_shown_with_their_password_masked(url, shown):
 
 
 def test_both_stores_append_a_request_once_and_trim_keeping_the_system_prompt(tmp_path):
-    from gateway_harness import REDIS_CLI, REDIS_SERVER, start_redis
+    from gateway_harness import start_redis
 
     from kvserve.gateway.store import RedisStore
 
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+    needs_redis_server()
     redis = start_redis(tmp_path / "redis")
     system = {"role": "system", "content": "Be terse."}
 

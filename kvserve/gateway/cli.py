@@ -17,7 +17,7 @@ from kvserve.gateway.backends import BadBackendURL, normalize_backend_url
 from kvserve.gateway.proxy import RetryPolicy
 from kvserve.gateway.routing import POLICIES, RoutingConfig
 from kvserve.gateway.settings import DEFAULT_STATE_PATH, GatewaySettings
-from kvserve.gateway.store import StoreLimits, StoreUnavailable, open_store
+from kvserve.gateway.store import StoreLimits, StoreUnavailable, move_old_keys, open_store
 from kvserve.gateway.urls import redacted_url
 from kvserve.server.settings import DEFAULT_MAX_REQUEST_BYTES
 
@@ -153,6 +153,7 @@ def preflight(settings: GatewaySettings) -> None:
         store = open_store(settings.redis_url, settings.state_path, settings.store_limits)
         try:
             await store.ping()
+            await move_old_keys(store)
         finally:
             await store.close()
 

@@ -31,7 +31,12 @@ from kvserve.gateway.recent import RecentWrites
 from kvserve.gateway.request_state import RequestState, StateQuery
 from kvserve.gateway.urls import redacted_url
 
-PREFIX = "kvgw:"
+# Every Redis key carries the hash tag {kvgw}, so all of them map to one Redis Cluster slot: a request's one
+# script call reads its key's record and counters, its session, its conversation and the prefix index with the
+# horizons, shared by every key, so no per-tenant tag could hold one call's keys together (CROSSSLOT), nor those
+# of set_session's MULTI. The gateway's load on Redis, a few commands per LLM request, fits one shard.
+PREFIX = "{kvgw}:"
+OLD_PREFIX = "kvgw:"  # before the tag; what a gateway stored under it is moved by move_old_keys
 
 logger = logging.getLogger("kvserve.gateway")
 
@@ -311,11 +316,37 @@ class RedisStore:
             state.prefix_entries = live_entries(values, dict(zip(horizons[::2], horizons[1::2])))
         return state
 
+    async def move_old_keys(self) -> tuple[int, int]:
+        """Moves what a gateway before the {kvgw} tag stored and still matters to the tagged names: the API keys
+        (merged, a key stored under both names keeps the tagged record) and the conversations (renamed with
+        their TTLs). Sessions, prefixes, horizons and counters are left to expire: traffic rebuilds them within
+        minutes. Returns (keys moved, conversations moved); a second call finds nothing to move."""
+        return await self._call(self._move_old_keys())
+
+    async def _move_old_keys(self) -> tuple[int, int]:
+        old_keys = await self.redis.hgetall(f"{OLD_PREFIX}keys")
+        for key_id, body in old_keys.items():
+            await self.redis.hsetnx(f"{PREFIX}keys", key_id, body)
+        await self.redis.delete(f"{OLD_PREFIX}keys")
+        conversations = 0
+        async for name in self.redis.scan_iter(match=f"{OLD_PREFIX}conversation:*", count=1000):
+            conversations += await self.redis.renamenx(name, PREFIX + name[len(OLD_PREFIX):])
+        return len(old_keys), conversations
+
     async def close(self) -> None:
         await self.redis.aclose()
 
 
 _background: set[asyncio.Task] = set()
+
+
+async def move_old_keys(store: Store) -> None:
+    """At start: a Redis store moves what an older gateway stored to this layout (see RedisStore)."""
+    if isinstance(store, RedisStore):
+        moved_keys, moved_conversations = await store.move_old_keys()
+        if moved_keys or moved_conversations:
+            logger.info("moved %d API keys and %d conversations to the {kvgw} key layout", moved_keys,
+                        moved_conversations)
 
 
 def spawn(coroutine) -> None:
