@@ -52,12 +52,15 @@ class RedisServer:
             self.process.wait(timeout=10)
 
 
-def start_redis(directory: Path) -> RedisServer:
+def start_redis(directory: Path, cluster: bool = False) -> RedisServer:
+    """`cluster`: a Redis Cluster of this one node, holding every slot: it refuses a command or script whose keys
+    are in different slots (CROSSSLOT) as a cluster of many nodes does, and a plain client can use it."""
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    cluster_args = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"] if cluster else []
     process = subprocess.Popen(
         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory), "--save", "",
-         "--appendonly", "no", "--protected-mode", "no"],
+         "--appendonly", "no", "--protected-mode", "no", *cluster_args],
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     redis = RedisServer(port, directory, process)
 
@@ -68,6 +71,9 @@ def start_redis(directory: Path) -> RedisServer:
             return False
 
     assert wait_until(answers, timeout_s=10), "redis-server did not start"
+    if cluster:
+        redis.cli("CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        assert wait_until(lambda: "cluster_state:ok" in redis.cli("CLUSTER", "INFO"), timeout_s=30), "no cluster"
     return redis
 
 

@@ -88,7 +88,9 @@ def test_console_report_marks_the_change(edited_run, capsys, tmp_path):
 
 def test_a_bad_log_path_fails_at_start_with_one_line(tiny_model_dir, tmp_path, capsys):
     folder, _ = tiny_model_dir("llama")
-    bad = tmp_path / "no-such-dir" / "requests.jsonl"
+    (tmp_path / "not-a-dir").write_text("")  # a missing folder is created (0700); a file in the way is not
+    bad = tmp_path / "not-a-dir" / "requests.jsonl"
+    capsys.readouterr()  # what building the model folder printed, when this test built it
     assert main(["serve", "--model", str(folder), "--log-requests-file", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--log-requests-file" in err and "no-such-dir" in err
+    assert err.count("\n") == 0 and "--log-requests-file" in err and "not-a-dir" in err

@@ -14,7 +14,7 @@ from gateway_harness import MODEL_NAME, backends_fixture, gateway_settings, need
 from server_harness import wait_until
 
 from kvserve.gateway.keys import create_key
-from kvserve.gateway.store import RedisStore, StoreLimits
+from kvserve.gateway.store import PREFIX, RedisStore, StoreLimits
 
 pytestmark = needs_redis
 
@@ -49,7 +49,7 @@ def ask(gateway, key: str, messages: list[dict], **extra) -> tuple[int, str]:
 
 
 def prefix_entries(redis) -> int:
-    return len(redis.cli("KEYS", "kvgw:prefix:*").split())
+    return len(redis.cli("KEYS", f"{PREFIX}prefix:*").split())
 
 
 def start(backends, redis, **overrides):

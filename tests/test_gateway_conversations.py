@@ -56,6 +56,25 @@ def test_conversation_history_is_resent_exactly_and_the_prefix_cache_hits_more_e
         gateway.stop()
 
 
+@pytest.mark.parametrize("store", ["redis", "sqlite"])
+def test_a_retried_turn_is_stored_once(backends, redis, tmp_path, store):
+    urls = [b.url for b in backends]
+    settings = (gateway_settings(urls, redis_url=redis.url) if store == "redis"
+                else gateway_settings(urls, state_path=str(tmp_path / "gw.sqlite3")))
+    gateway = start_gateway(settings)
+    conversation_id = f"retried-{store}"
+    question = [{"role": "user", "content": "What is a block?"}]
+    try:
+        for _ in range(2):  # the client did not see the first answer and sends the request again
+            conversation_turn(gateway, conversation_id, question, extra_headers={"Idempotency-Key": "turn-1"})
+        assert [m["role"] for m in stored_messages(gateway, conversation_id)] == ["user", "assistant"]
+        conversation_turn(gateway, conversation_id, question, extra_headers={"Idempotency-Key": "turn-2"})
+        conversation_turn(gateway, conversation_id, question)  # no key: every request is a turn of its own
+        assert len(stored_messages(gateway, conversation_id)) == 6
+    finally:
+        gateway.stop()
+
+
 def test_streamed_turn_is_passed_through_and_stored_as_streamed(backends, redis):
     gateway = start_gateway(gateway_settings([b.url for b in backends], redis_url=redis.url))
     try:

@@ -17,7 +17,7 @@ from server_harness import assert_envelope, slowed, wait_until
 
 from kvserve.gateway.keys import create_key
 from kvserve.gateway.limits import WINDOW_S
-from kvserve.gateway.store import RedisStore, StoreLimits
+from kvserve.gateway.store import PREFIX, RedisStore, StoreLimits
 
 pytestmark = needs_redis
 
@@ -53,7 +53,7 @@ def start_of_a_window() -> int:
 
 
 def tokens_counted(redis, key_id: str, window: int) -> int:
-    return int(redis.cli("GET", f"kvgw:counter:{key_id}:tokens:{window}").strip() or 0)
+    return int(redis.cli("GET", f"{PREFIX}counter:{key_id}:tokens:{window}").strip() or 0)
 
 
 def request_tokens(gateway, key: str, index: int) -> tuple[int, int]:

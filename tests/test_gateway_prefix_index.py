@@ -13,6 +13,8 @@ from gateway_harness import (
     MODEL_NAME, backends_fixture, gateway_settings, metric, needs_redis, redis_fixture, start_gateway, wait_for,
 )
 
+from kvserve.gateway.store import PREFIX
+
 pytestmark = needs_redis
 
 POOL_BLOCKS = 48  # 768 tokens: a few prompts of the tiny model fill it
@@ -64,7 +66,7 @@ def test_a_prefix_that_missed_expires_the_entries_recorded_up_to_it(backends, re
         # The index still promises alpha's blocks, which were evicted:
         route, usage = ask(gateway.url, ALPHA, "what is a slot mapping, and when is it computed?")
         assert route == "prefix" and usage["prompt_tokens_details"]["cached_tokens"] == 0
-        wait_for(lambda: redis.cli("HGET", "kvgw:horizons", backend.url).strip() != "")
+        wait_for(lambda: redis.cli("HGET", f"{PREFIX}horizons", backend.url).strip() != "")
         assert expiries(gateway, backend, "missed") == 1
         # Bravo was sent before alpha's last turn there: gone too (LRU), so it goes by load, not by a stale entry.
         assert ask(gateway.url, BRAVO, "what is a hash chain, and where does it start?")[0] == "load"
@@ -95,7 +97,7 @@ def test_a_pool_evicted_whole_expires_the_older_entries_from_the_backends_metric
             first += 4
         # The checks may first find a pool evicted since an older mark (alpha's own requests evicted the last
         # test's blocks); one of them finds it since the mark after alpha, and the horizon moves past alpha.
-        wait_for(lambda: float(redis.cli("HGET", "kvgw:horizons", backend.url).strip() or 0) > alpha_recorded_by)
+        wait_for(lambda: float(redis.cli("HGET", f"{PREFIX}horizons", backend.url).strip() or 0) > alpha_recorded_by)
         assert expiries(gateway, backend, "evictions") >= 1
         # Not promised a prefix it no longer has:
         assert ask(gateway.url, ALPHA, "what is a slot mapping, and when is it computed?")[0] == "load"

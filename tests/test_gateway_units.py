@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import sqlite3
 import time
 
 import pytest
@@ -17,7 +19,9 @@ from kvserve.gateway.keys import create_key, hash_key, key_id_of, verify_key
 from kvserve.gateway.limits import admit
 from kvserve.gateway.token_budget import TokenCost
 from kvserve.gateway.prefix import longest_match, prefix_block_hashes
-from kvserve.gateway.store import SQLiteStore, StoreLimits
+from kvserve.gateway.request_state import StateQuery
+from kvserve.gateway.sqlite_store import SQLiteStore
+from kvserve.gateway.store import StoreLimits
 from kvserve.gateway.stream import StreamTap, sse_events
 
 NODES = [f"http://10.0.0.{i}:8000" for i in range(4)]
@@ -237,6 +241,87 @@ def test_conversations_keep_order_and_their_bound(store):
     assert asyncio.run(scenario()) == ["1", "2", "3", "4"]
 
 
+def table_rows(path, table: str) -> int:
+    with sqlite3.connect(path) as db:
+        return db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def test_the_sqlite_store_deletes_what_its_ttls_expire(tmp_path):
+    path = tmp_path / "state.sqlite3"
+    now = [1000.0]
+    limits = StoreLimits(session_ttl_s=300, prefix_ttl_s=100, conversation_ttl_s=200)
+    sqlite = SQLiteStore(str(path), limits, clock=lambda: now[0])
+
+    async def fill(tag: str) -> None:
+        await sqlite.set_session(f"s-{tag}", "http://a", None)
+        await sqlite.prefix_record([f"h-{tag}"], "http://a")
+        await sqlite.conversation_append(f"c-{tag}", [{"role": "user", "content": "hi"}])
+        await sqlite.counter_add(f"k:tokens:{tag}", 5, 65)
+        await sqlite.key_put(f"k-{tag}", {"key_id": f"k-{tag}", "created_at": now[0]})
+
+    def counts() -> list[int]:
+        return [table_rows(path, table) for table in ("sessions", "prefixes", "messages", "counters", "api_keys")]
+
+    async def scenario() -> None:
+        await fill("old")
+        now[0] += 150  # past the counter's and the prefix's TTLs, and a sweep interval
+        await fill("new")
+        assert counts() == [2, 1, 2, 1, 2]
+        now[0] += 160  # the old session (300 s) and conversation (200 s) are past theirs now; the new ones are not
+        await sqlite.ping()
+        assert counts() == [1, 0, 1, 0, 2]  # API keys never expire
+        assert await sqlite.get_session("s-new") == "http://a" and await sqlite.get_session("s-old") is None
+
+    asyncio.run(scenario())
+    asyncio.run(sqlite.close())
+
+
+def test_a_locked_state_file_waits_off_the_event_loop(tmp_path, monkeypatch):
+    import kvserve.gateway.sqlite_store
+
+    monkeypatch.setattr(kvserve.gateway.sqlite_store, "BUSY_TIMEOUT_S", 30.0)  # the lock goes before it ends
+    path = tmp_path / "state.sqlite3"
+    sqlite = SQLiteStore(str(path), StoreLimits())
+    other_process = sqlite3.connect(path, isolation_level=None)
+
+    async def scenario() -> None:
+        other_process.execute("BEGIN IMMEDIATE")  # another gateway writing, slowly
+        write = asyncio.create_task(sqlite.set_session("s", "http://a", None))
+        ticked = asyncio.Event()
+        asyncio.get_running_loop().call_soon(ticked.set)
+        await ticked.wait()  # scheduled after the write: the loop ran on while the write waits
+        assert not write.done()
+        other_process.execute("ROLLBACK")
+        await asyncio.wait_for(write, timeout=30)
+        assert await sqlite.get_session("s") == "http://a"
+
+    asyncio.run(scenario())
+    asyncio.run(sqlite.close())
+    other_process.close()
+
+
+def test_a_state_file_locked_past_the_busy_timeout_is_store_unavailable(tmp_path):
+    from kvserve.gateway.store import StoreUnavailable
+
+    path = tmp_path / "state.sqlite3"
+    sqlite = SQLiteStore(str(path), StoreLimits())
+    other_process = sqlite3.connect(path, isolation_level=None)
+
+    async def scenario() -> None:
+        other_process.execute("BEGIN IMMEDIATE")
+        with pytest.raises(StoreUnavailable, match="is busy: another process held its write lock"):
+            await sqlite.set_session("s", "http://a", None)
+        with pytest.raises(StoreUnavailable, match="is busy"):  # a transaction's BEGIN, its ROLLBACK failing too
+            await sqlite.conversation_append("c", [{"role": "user", "content": "hi"}])
+        assert await sqlite.get_session("s") is None  # reads go on meanwhile (WAL)
+        other_process.execute("ROLLBACK")
+        await sqlite.set_session("s", "http://a", None)
+
+    asyncio.run(scenario())
+    asyncio.run(sqlite.close())
+    other_process.close()
+
+
 def test_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):
     from kvserve.cli import build_parser
     from kvserve.gateway.cli import settings_from_args
@@ -337,38 +422,44 @@ def test_a_held_session_stays_on_a_full_pool_and_leaves_a_queue(tmp_path):
     asyncio.run(sqlite.close())
 
 
-def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
-    from gateway_harness import REDIS_CLI, REDIS_SERVER, start_redis
-
-    from kvserve.gateway.request_state import StateQuery
-    from kvserve.gateway.store import RedisStore
+def needs_redis_server() -> None:
+    from gateway_harness import REDIS_CLI, REDIS_SERVER
 
     if REDIS_SERVER is None or REDIS_CLI is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+
+
+async def read_whole_states(store) -> list:
+    """A request's state read five ways, after one of everything was stored."""
+    await store.key_put("k1", {"key_id": "k1", "created_at": 1})
+    await store.counter_add("k1:tokens:7", 40, 65)
+    await store.set_session("s1", "http://a", None)
+    await store.conversation_append("u/c1", [{"role": "user", "content": "hi"}], "r1")
+    await store.prefix_record(["h1", "h2"], "http://a")
+    await store.prefix_record(["h3"], "http://b")
+    await store.prefix_expire("http://b", time.time() + 60)  # b's entries are gone from its cache
+    full = StateQuery(key_id="k1", requests_counter="k1:requests:7", tokens_counter="k1:tokens:7",
+                      tokens_limit=100, tokens_cost=TokenCost(10, 20), counter_ttl_s=65, session_id="s1",
+                      conversation_id="u/c1", prefix_hashes=["h1", "h2", "h3", "h4"])
+    states = [await store.read_request_state(full), await store.read_request_state(full),
+              await store.read_request_state(full),
+              await store.read_request_state(StateQuery(key_id="nobody", session_id="s2", prefix_hashes=["h9"])),
+              await store.read_request_state(StateQuery())]
+    await store.close()
+    return [(s.key_record, s.requests_used, s.tokens_used, s.tokens_reserved, s.session_backend,
+             s.conversation, [e and e[0] for e in s.prefix_entries]) for s in states]
+
+
+def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
+    from gateway_harness import start_redis
+
+    from kvserve.gateway.store import RedisStore
+
+    needs_redis_server()
     redis = start_redis(tmp_path / "redis")
-
-    async def scenario(store) -> list:
-        await store.key_put("k1", {"key_id": "k1", "created_at": 1})
-        await store.counter_add("k1:tokens:7", 40, 65)
-        await store.set_session("s1", "http://a", None)
-        await store.conversation_append("u/c1", [{"role": "user", "content": "hi"}])
-        await store.prefix_record(["h1", "h2"], "http://a")
-        await store.prefix_record(["h3"], "http://b")
-        await store.prefix_expire("http://b", time.time() + 60)  # b's entries are gone from its cache
-        full = StateQuery(key_id="k1", requests_counter="k1:requests:7", tokens_counter="k1:tokens:7",
-                          tokens_limit=100, tokens_cost=TokenCost(10, 20), counter_ttl_s=65, session_id="s1",
-                          conversation_id="u/c1", prefix_hashes=["h1", "h2", "h3", "h4"])
-        states = [await store.read_request_state(full), await store.read_request_state(full),
-                  await store.read_request_state(full),
-                  await store.read_request_state(StateQuery(key_id="nobody", session_id="s2", prefix_hashes=["h9"])),
-                  await store.read_request_state(StateQuery())]
-        await store.close()
-        return [(s.key_record, s.requests_used, s.tokens_used, s.tokens_reserved, s.session_backend,
-                 s.conversation, [e and e[0] for e in s.prefix_entries]) for s in states]
-
     try:
-        from_redis = asyncio.run(scenario(RedisStore(redis.url, StoreLimits())))
-        from_sqlite = asyncio.run(scenario(SQLiteStore(str(tmp_path / "state.sqlite3"), StoreLimits())))
+        from_redis = asyncio.run(read_whole_states(RedisStore(redis.url, StoreLimits())))
+        from_sqlite = asyncio.run(read_whole_states(SQLiteStore(str(tmp_path / "state.sqlite3"), StoreLimits())))
     finally:
         redis.stop()
     assert from_redis == from_sqlite
@@ -380,3 +471,131 @@ def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
                           (record, 2, 100, 30, "http://a", conversation, entries),
                           (record, 3, 100, 0, "http://a", conversation, entries),
                           (None, 0, 0, 0, None, [], [None]), (None, 0, 0, 0, None, [], [])]
+
+
+def test_every_redis_key_is_in_one_cluster_slot_so_redis_cluster_takes_every_script(tmp_path):
+    from redis.crc import key_slot
+
+    from gateway_harness import start_redis
+
+    from kvserve.gateway.store import RedisStore
+
+    needs_redis_server()
+    plain, cluster = start_redis(tmp_path / "plain"), start_redis(tmp_path / "cluster", cluster=True)
+
+    async def more_writes(store) -> None:  # what read_whole_states does not: a moved session, the counts
+        await store.set_session("s1", "http://b", "http://a")
+        assert await store.session_counts() == {"http://a": 0, "http://b": 1}
+        assert [e and e[0] for e in await store.prefix_lookup(["h1", "h9"])] == ["http://a", None]
+        await store.close()
+
+    try:
+        from_plain = asyncio.run(read_whole_states(RedisStore(plain.url, StoreLimits())))
+        # A cluster refuses a script, MULTI or MGET whose keys are in two slots (CROSSSLOT) on one node as on many.
+        assert asyncio.run(read_whole_states(RedisStore(cluster.url, StoreLimits()))) == from_plain
+        asyncio.run(more_writes(RedisStore(cluster.url, StoreLimits())))
+        slots = {key_slot(name.encode()) for name in cluster.cli("KEYS", "*").split()}
+    finally:
+        plain.stop()
+        cluster.stop()
+    assert slots == {key_slot(b"{kvgw}")}
+
+
+def test_api_keys_and_conversations_of_the_untagged_layout_are_moved(tmp_path):
+    from gateway_harness import start_redis
+
+    from kvserve.gateway.store import RedisStore
+
+    needs_redis_server()
+    redis = start_redis(tmp_path / "redis")
+    record = {"key_id": "k1", "created_at": 1}
+    redis.cli("HSET", "kvgw:keys", "k1", json.dumps(record))
+    redis.cli("RPUSH", "kvgw:conversation:k1/c1", json.dumps({"role": "user", "content": "hi"}))
+    redis.cli("EXPIRE", "kvgw:conversation:k1/c1", "500")
+
+    async def scenario():
+        store = RedisStore(redis.url, StoreLimits())
+        moved = [await store.move_old_keys(), await store.move_old_keys()]
+        found = (await store.key_get("k1"), await store.conversation_load("k1/c1"))
+        await store.close()
+        return moved, found
+
+    try:
+        moved, found = asyncio.run(scenario())
+        ttl = int(redis.cli("TTL", "{kvgw}:conversation:k1/c1"))
+        left = redis.cli("KEYS", "kvgw:*").split()
+    finally:
+        redis.stop()
+    assert moved == [(1, 1), (0, 0)]
+    assert found == (record, [{"role": "user", "content": "hi"}])
+    assert 0 < ttl <= 500 and left == []
+
+
+def test_the_start_up_line_masks_the_redis_and_backend_passwords(monkeypatch, caplog):
+    import uvicorn
+
+    from kvserve.gateway.cli import serve
+    from kvserve.gateway.settings import GatewaySettings
+
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    settings = GatewaySettings(backends=["http://ops:b4ckend@10.0.0.5:8000"],
+                               redis_url="redis://:r3dis@10.0.0.9:6379/0")
+    with caplog.at_level(logging.INFO, logger="kvserve.gateway"):
+        assert serve(settings, "127.0.0.1", 8080, "info") == 0
+    assert "redis://:***@10.0.0.9:6379/0" in caplog.text and "http://ops:***@10.0.0.5:8000" in caplog.text
+    assert "r3dis" not in caplog.text and "b4ckend" not in caplog.text
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:pw@host:6379/0", "redis://:***@host:6379/0"),
+    ("redis://user:p@ss@host/0", "redis://user:***@host/0"),
+    ("redis://secret@host", "redis://***@host"),
+    ("http://host:8000", "http://host:8000"),
+    ("rediss://u:p@host?x=@y", "rediss://u:***@host?x=@y"),
+])
+def test_urls_are_shown_with_their_password_masked(url, shown):
+    from kvserve.gateway.urls import redacted_url
+
+    assert redacted_url(url) == shown
+
+
+def test_both_stores_append_a_request_once_and_trim_keeping_the_system_prompt(tmp_path):
+    from gateway_harness import start_redis
+
+    from kvserve.gateway.store import RedisStore
+
+    needs_redis_server()
+    redis = start_redis(tmp_path / "redis")
+    system = {"role": "system", "content": "Be terse."}
+
+    def turn(index: int) -> list[dict]:
+        return [{"role": "user", "content": f"q{index}"}, {"role": "assistant", "content": f"a{index}"}]
+
+    async def scenario(store) -> list[list[str]]:
+        seen = []
+        await store.conversation_append("c", [system, *turn(0)], "r0")
+        await store.conversation_append("c", [system, *turn(0)], "r0")  # a retry: nothing appended
+        seen.append([m["content"] for m in await store.conversation_load("c")])
+        for index in range(1, 4):  # 7 messages past a bound of 5: the oldest turns go, the system prompt stays
+            await store.conversation_append("c", turn(index), f"r{index}")
+            seen.append([m["content"] for m in await store.conversation_load("c")])
+        await store.conversation_append("c", turn(3), "r3")
+        await store.conversation_append("d", [{"role": "user", "content": "x"}] * 7)  # no system prompt to keep
+        await store.conversation_append("d", [{"role": "user", "content": "y"}])  # no request id: appended
+        seen.append([m["content"] for m in await store.conversation_load("d")])
+        await store.close()
+        return seen
+
+    limits = StoreLimits(conversation_max_messages=5)
+    try:
+        from_redis = asyncio.run(scenario(RedisStore(redis.url, limits)))
+        from_sqlite = asyncio.run(scenario(SQLiteStore(str(tmp_path / "state.sqlite3"), limits)))
+    finally:
+        redis.stop()
+    assert from_redis == from_sqlite == [
+        ["Be terse.", "q0", "a0"],
+        ["Be terse.", "q0", "a0", "q1", "a1"],
+        ["Be terse.", "q1", "a1", "q2", "a2"],
+        ["Be terse.", "q2", "a2", "q3", "a3"],
+        ["x", "x", "x", "x", "y"],
+    ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 import httpx
@@ -32,6 +33,7 @@ class StubBackend:
         self.answer = answer
         self.completions = 0
         self.stream_closed = threading.Event()
+        self.request_closed = threading.Event()  # a "hang" request's client (the gateway) closed its connection
 
         async def completions(request: Request) -> Response:
             await request.body()
@@ -40,6 +42,10 @@ class StubBackend:
                 return JSONResponse({"error": {"message": "queue full"}}, status_code=503)
             if self.answer == "silent":
                 await asyncio.sleep(30)
+            if self.answer == "hang":  # as an engine still generating: it answers when its client has left
+                await asyncio.wait_for(_disconnected(request), timeout=30)
+                self.request_closed.set()
+                return Response(status_code=499)
             if self.answer == "stream":
                 return StreamingResponse(self._events(), media_type="text/event-stream")
             return JSONResponse(COMPLETION)
@@ -61,6 +67,11 @@ class StubBackend:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def started(*answers: str) -> list[StubBackend]:
@@ -122,6 +133,51 @@ def test_a_client_leaving_mid_stream_closes_the_upstream_connection(tmp_path):
     finally:
         gateway.stop()
         stub.stop()
+
+
+def test_a_client_leaving_before_a_whole_answer_closes_the_upstream_connection(tmp_path):
+    (stub,) = started("hang")
+    gateway = start_gateway(gateway_settings([stub.url], state_path=str(tmp_path / "gw.sqlite3")))
+    try:
+        body = json.dumps({"model": "stub", "prompt": "hi"}).encode()
+        host, port = gateway.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert wait_until(lambda: stub.completions == 1)  # the backend is at work on it
+            assert not stub.request_closed.is_set()
+        assert stub.request_closed.wait(timeout=10)  # the gateway dropped its request, long before 30 s
+        # No backend answered (its answer's headers come with the whole answer): counted as such.
+        assert wait_until(lambda: metric(gateway.metrics(), "kvserve:gateway_requests_total", backend="none",
+                                         outcome="client_disconnected") == 1)
+    finally:
+        gateway.stop()
+        stub.stop()
+
+
+def with_password(url: str) -> str:
+    return url.replace("http://", "http://operator:s3cret@")
+
+
+def test_backend_passwords_are_masked_in_headers_health_metrics_and_errors(tmp_path):
+    ok, busy = stubs = started("ok", "busy")
+    serving = start_gateway(gateway_settings([with_password(ok.url)], state_path=str(tmp_path / "a.sqlite3")))
+    refusing = start_gateway(gateway_settings([with_password(busy.url)], state_path=str(tmp_path / "b.sqlite3")))
+    masked = with_password(ok.url).replace("s3cret", "***")
+    try:
+        answered = post(serving)
+        assert answered.status_code == 200 and answered.headers["x-kvserve-backend"] == masked
+        assert httpx.get(f"{serving.url}/health", timeout=10).json()["backends_up"] == [masked]
+        metrics_text = httpx.get(f"{serving.url}/metrics", timeout=10).text
+        assert f'backend="{masked}"' in metrics_text
+        error = assert_envelope(post(refusing), 503)
+        assert "operator:***@" in error["message"]
+        assert "s3cret" not in httpx.get(f"{refusing.url}/metrics", timeout=10).text + error["message"] + metrics_text
+    finally:
+        for gateway in (serving, refusing):
+            gateway.stop()
+        for stub in stubs:
+            stub.stop()
 
 
 def test_the_completion_routes_fast_path_answers_like_fastapi(tmp_path, monkeypatch):

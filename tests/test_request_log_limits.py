@@ -46,6 +46,23 @@ def test_the_log_file_is_created_owner_only(tiny_model_dir, tmp_path):
     assert len(log_path.read_text().splitlines()) == 2
 
 
+def test_the_folders_it_creates_are_owner_only(tmp_path):
+    existing = tmp_path / "var"
+    existing.mkdir(mode=0o755)
+    log_path = existing / "logs" / "kvserve" / "requests.jsonl"
+    old_umask = os.umask(0o022)  # the usual umask: a folder made without asking would be 0755
+    try:
+        request_log = RequestLog(str(log_path), GEOMETRY)
+    finally:
+        os.umask(old_umask)
+    request_log.record(logged_request(0, "hello"))
+    request_log.close()
+    assert [stat.S_IMODE(folder.stat().st_mode) for folder in (existing, existing / "logs", log_path.parent)] == [
+        0o755, 0o700, 0o700]  # a folder that was there is left as it was
+    assert stat.S_IMODE(log_path.stat().st_mode) == 0o600
+    assert len(log_path.read_text().splitlines()) == 1
+
+
 def test_a_stalled_writer_drops_and_counts_lines_instead_of_queueing_them(tmp_path, caplog):
     fifo = tmp_path / "stalled.fifo"
     os.mkfifo(fifo)

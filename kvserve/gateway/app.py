@@ -102,8 +102,9 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
         holder["gateway"] = Gateway(settings, gateway_store, backends, router, metrics, http)
 
         def on_cache_lost(backend: Backend, horizon: float, reason: str) -> None:
-            logger.info("backend %s lost its cached prefixes (%s): the prefix index forgets them", backend.url, reason)
-            metrics.prefix_expiries.labels(backend.url, reason).inc()
+            logger.info("backend %s lost its cached prefixes (%s): the prefix index forgets them", backend.shown_url,
+                        reason)
+            metrics.prefix_expiries.labels(backend.shown_url, reason).inc()
             router.expire_prefixes(backend.url, horizon)
 
         health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
@@ -156,7 +157,7 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
     async def health() -> Response:
         gateway = holder["gateway"]
         await gateway.store.ping()
-        up = [b.url for b in gateway.backends if b.available()]
+        up = [b.shown_url for b in gateway.backends if b.available()]
         if not up:
             raise APIError(503, "no backend is healthy", type=SERVER_ERROR, code="no_backend_available")
         return json_response({"status": "ok", "backends_up": up})

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvserve.gateway.breaker import CircuitBreaker
+from kvserve.gateway.urls import redacted_url
 
 
 EVICTION_MARKS = 120  # ten minutes of health checks at the default 5 s
@@ -42,6 +43,10 @@ class Backend:
     # (time, evictions so far) at each /metrics read, to find since when the backend evicted a whole pool.
     eviction_marks: deque = field(default_factory=lambda: deque(maxlen=EVICTION_MARKS))
     cache_horizon: float = 0.0  # the latest horizon reported for it (entries at or before it are gone)
+    shown_url: str = field(init=False)  # the URL with its password masked: what logs, metrics and answers show
+
+    def __post_init__(self) -> None:
+        self.shown_url = redacted_url(self.url)
 
     def available(self) -> bool:
         return self.healthy and self.breaker.allows_request()
@@ -65,12 +70,12 @@ def normalize_backend_url(url: str) -> str:
     """http(s)://host[:port][/v1] -> http(s)://host[:port]; anything else is a BadBackendURL."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadBackendURL(f"--backend {url!r} is not an http(s)://host[:port] URL")
+        raise BadBackendURL(f"--backend {redacted_url(url)!r} is not an http(s)://host[:port] URL")
     try:
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
     except ValueError:
-        raise BadBackendURL(f"--backend {url!r} has an invalid port") from None
+        raise BadBackendURL(f"--backend {redacted_url(url)!r} has an invalid port") from None
     path = parts.path.rstrip("/")
     if path not in ("", "/v1"):
-        raise BadBackendURL(f"--backend {url!r}: give the server's root (or /v1), not {parts.path!r}")
+        raise BadBackendURL(f"--backend {redacted_url(url)!r}: give the server's root (or /v1), not {parts.path!r}")
     return f"{parts.scheme}://{parts.netloc}"

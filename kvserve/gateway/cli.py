@@ -17,7 +17,8 @@ from kvserve.gateway.backends import BadBackendURL, normalize_backend_url
 from kvserve.gateway.proxy import RetryPolicy
 from kvserve.gateway.routing import POLICIES, RoutingConfig
 from kvserve.gateway.settings import DEFAULT_STATE_PATH, GatewaySettings
-from kvserve.gateway.store import StoreLimits, StoreUnavailable, open_store
+from kvserve.gateway.store import StoreLimits, StoreUnavailable, move_old_keys, open_store
+from kvserve.gateway.urls import redacted_url
 from kvserve.server.settings import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -144,14 +145,15 @@ def preflight(settings: GatewaySettings) -> None:
         try:
             response = httpx.get(f"{url}/health", headers=settings.backend_headers(), timeout=settings.health_timeout_s)
         except httpx.HTTPError as exc:
-            raise StartupError(f"backend {url} is unreachable ({type(exc).__name__}: {exc})") from None
+            raise StartupError(f"backend {redacted_url(url)} is unreachable ({type(exc).__name__}: {exc})") from None
         if response.status_code != 200:
-            raise StartupError(f"backend {url} answered /health with HTTP {response.status_code}")
+            raise StartupError(f"backend {redacted_url(url)} answered /health with HTTP {response.status_code}")
 
     async def ping() -> None:
         store = open_store(settings.redis_url, settings.state_path, settings.store_limits)
         try:
             await store.ping()
+            await move_old_keys(store)
         finally:
             await store.close()
 
@@ -168,11 +170,12 @@ def serve(settings: GatewaySettings, host: str, port: int, log_level: str) -> in
     import importlib.util
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = f"Redis {settings.redis_url}" if settings.redis_url else f"SQLite {settings.state_path}"
+    store = f"Redis {redacted_url(settings.redis_url)}" if settings.redis_url else f"SQLite {settings.state_path}"
     # uvicorn's "auto" takes them when installed (pip install kvserve[gateway]): each saves Python work per request.
     fast = [name for name in ("uvloop", "httptools") if importlib.util.find_spec(name) is not None]
+    backends = ", ".join(map(redacted_url, settings.backends))
     logging.getLogger("kvserve.gateway").info("gateway on %s:%d -> %s; state in %s; routing %s; %s%s", host, port,
-                                               ", ".join(settings.backends), store, settings.routing.policy,
+                                               backends, store, settings.routing.policy,
                                                " and ".join(fast) if fast else "asyncio and h11 (no kvserve[gateway])",
                                                "" if settings.require_api_key else "; auth DISABLED")
     uvicorn.run(build_app(settings), host=host, port=port, log_level=log_level.lower(), access_log=False)

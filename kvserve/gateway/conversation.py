@@ -3,7 +3,8 @@ new messages; the gateway sends the backend the stored history followed by them,
 answer. The history goes back exactly as it was first sent (roles, contents, every field), so the backend renders
 the same prompt text turn after turn and its prefix cache keeps hitting (a gateway that rewrote earlier turns
 would change the token blocks and miss). A turn is stored only once its answer is complete: a failed or
-abandoned turn leaves the history as it was, ready to be sent again."""
+abandoned turn leaves the history as it was, ready to be sent again. A request sent with an `Idempotency-Key`
+header stores its turn once, however often a client retries it (the first may have been stored after all)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from kvserve.gateway.store import Store
 from kvserve.server.errors import bad_request
 
 MAX_CONVERSATION_ID_CHARS = 256
+IDEMPOTENCY_HEADER = "idempotency-key"  # the IETF draft's name, as Stripe and others use it
+MAX_IDEMPOTENCY_KEY_CHARS = 256
 
 
 def stored_id(conversation_id: str, owner: str | None) -> str:
@@ -24,15 +27,16 @@ def stored_id(conversation_id: str, owner: str | None) -> str:
 class ConversationTurn:
     conversation_id: str  # as stored: the owner's key id and the client's id
     new_messages: list[dict]
+    request_id: str | None = None  # the client's Idempotency-Key: its retries store the turn once
 
     @property
     def session_id(self) -> str:
         return f"conversation:{self.conversation_id}"
 
 
-def take_conversation(body: dict, owner: str | None) -> ConversationTurn | None:
+def take_conversation(body: dict, owner: str | None, request_id: str | None = None) -> ConversationTurn | None:
     """Takes `conversation` out of `body` (the backend would reject it): the turn to expand, None without one.
-    `owner`: the key id of the request (None without keys)."""
+    `owner`: the key id of the request (None without keys); `request_id`: its Idempotency-Key header."""
     conversation_id = body.pop("conversation", None)
     if conversation_id is None:
         return None
@@ -42,7 +46,9 @@ def take_conversation(body: dict, owner: str | None) -> ConversationTurn | None:
     new_messages = body.get("messages")
     if not isinstance(new_messages, list) or not new_messages or not all(isinstance(m, dict) for m in new_messages):
         raise bad_request("messages must be a non-empty list of message objects", param="messages")
-    return ConversationTurn(stored_id(conversation_id, owner), new_messages)
+    if request_id is not None and not 0 < len(request_id) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        raise bad_request(f"the Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters")
+    return ConversationTurn(stored_id(conversation_id, owner), new_messages, request_id)
 
 
 def put_history_first(body: dict, turn: ConversationTurn, history: list[dict]) -> None:
@@ -51,7 +57,7 @@ def put_history_first(body: dict, turn: ConversationTurn, history: list[dict]) -
 
 async def record_turn(store: Store, turn: ConversationTurn, answer: str) -> None:
     await store.conversation_append(turn.conversation_id,
-                                    [*turn.new_messages, {"role": "assistant", "content": answer}])
+                                    [*turn.new_messages, {"role": "assistant", "content": answer}], turn.request_id)
 
 
 def answer_of(completion: dict) -> str | None:

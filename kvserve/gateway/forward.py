@@ -19,8 +19,9 @@ from kvserve.gateway import limits
 from kvserve.gateway.backends import Backend
 from kvserve.gateway.cache_scope import cache_salt_for
 from kvserve.gateway.conversation import (
-    ConversationTurn, answer_of, put_history_first, record_turn, take_conversation,
+    IDEMPOTENCY_HEADER, ConversationTurn, answer_of, put_history_first, record_turn, take_conversation,
 )
+from kvserve.gateway.disconnect import ClientLeft, unless_client_leaves
 from kvserve.gateway.key_cache import VerifiedKeys
 from kvserve.gateway.keys import KeyRecord, check_key, verify_key
 from kvserve.gateway.limits import LimitState
@@ -41,6 +42,7 @@ from kvserve.server.sse import SSE_HEADERS
 SESSION_HEADER = "x-session-id"
 BACKEND_HEADER = "x-kvserve-backend"  # which backend answered, and why: for operators and tests
 ROUTE_HEADER = "x-kvserve-route"
+CLIENT_CLOSED_REQUEST = 499
 
 logger = logging.getLogger("kvserve.gateway")
 
@@ -68,9 +70,10 @@ class Exchange:
     session_id: str | None
     block_hashes: list[str]  # the prompt's blocks as sent (history included), for the prefix index
     reservation: TokenReservation | None = None  # the key's tokens/min taken at admission, settled at the end
+    upstream: Upstream | None = None  # once a backend took the request
 
     def response_headers(self, upstream: Upstream) -> dict[str, str]:
-        headers = {BACKEND_HEADER: upstream.backend.url, ROUTE_HEADER: upstream.decision.reason}
+        headers = {BACKEND_HEADER: upstream.backend.shown_url, ROUTE_HEADER: upstream.decision.reason}
         if self.limit is not None:
             headers.update(self.limit.headers())
         return headers
@@ -149,7 +152,8 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
     raw, body, fields = await read_completion_body(request, gateway.settings.max_request_bytes, chat)
     if "conversation" in body and not chat:
         raise bad_request("conversation is only for /v1/chat/completions", param="conversation")
-    turn = take_conversation(body, key.key_id if key else None) if chat else None
+    request_id = request.headers.get(IDEMPOTENCY_HEADER)
+    turn = take_conversation(body, key.key_id if key else None, request_id) if chat else None
     session_id = turn.session_id if turn else _header_session(request) or _user_of(body)
     salt = cache_salt_for(key, fields.cache_salt, gateway.settings.cache_sharing)
     block_hashes = [] if turn else prefix_block_hashes(body, gateway.settings.prefix_block_chars, salt)
@@ -167,10 +171,28 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
     content = upstream_content(raw, body, turn is not None or drop_usage,
                                salt if salt != fields.cache_salt else None)
     exchange = Exchange(path, body, key, limit, turn, session_id, block_hashes, reservation)
-    upstream = await _open(gateway, exchange, content, state)
+    try:
+        return await unless_client_leaves(request, _answer(gateway, exchange, content, state, stream, drop_usage))
+    except ClientLeft:
+        return _client_left(gateway, exchange)
+
+
+async def _answer(gateway: Gateway, exchange: Exchange, content: bytes, state: RequestState, stream: bool,
+                  drop_usage: bool) -> Response:
+    upstream = exchange.upstream = await _open(gateway, exchange, content, state)
     if stream and upstream.response.status == 200:
         return _stream_response(gateway, exchange, upstream, StreamTap(drop_usage_event=drop_usage))
     return await _whole_response(gateway, exchange, upstream)
+
+
+def _client_left(gateway: Gateway, exchange: Exchange) -> Response:
+    """The client left before its answer began: the upstream request was cancelled, so the backend aborts it.
+    Charged its prompt, as a stream cut short before its first token."""
+    backend = exchange.upstream.backend.shown_url if exchange.upstream else "none"
+    gateway.metrics.requests.labels(backend, CLIENT_GONE).inc()
+    if exchange.reservation is not None:
+        _refund(gateway, exchange.reservation, exchange.reservation.prompt_tokens)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; nginx's code in case a log does
 
 
 async def _read_state(gateway: Gateway, presented: tuple[str, KeyRecord] | None, turn: ConversationTurn | None,
@@ -217,8 +239,8 @@ async def _whole_response(gateway: Gateway, exchange: Exchange, upstream: Upstre
     try:
         content = await upstream.response.read()
     except aiohttp.ClientError as exc:
-        gateway.metrics.requests.labels(upstream.backend.url, BACKEND_ERROR).inc()
-        raise APIError(502, f"backend {upstream.backend.url} failed while answering: {type(exc).__name__}",
+        gateway.metrics.requests.labels(upstream.backend.shown_url, BACKEND_ERROR).inc()
+        raise APIError(502, f"backend {upstream.backend.shown_url} failed while answering: {type(exc).__name__}",
                        type=SERVER_ERROR, code="backend_error") from None
     finally:
         await upstream.close()
@@ -232,7 +254,7 @@ async def _whole_response(gateway: Gateway, exchange: Exchange, upstream: Upstre
         count_tokens = BackgroundTask(_settle_tokens, gateway, exchange, _total_tokens(completion))
     else:  # the backend refused it or failed: no tokens were served
         count_tokens = BackgroundTask(_settle_tokens, gateway, exchange, 0)
-    gateway.metrics.requests.labels(upstream.backend.url, _outcome(status)).inc()
+    gateway.metrics.requests.labels(upstream.backend.shown_url, _outcome(status)).inc()
     media_type = upstream.response.headers.get("content-type", "application/json")
     return Response(content, status_code=status, media_type=media_type, headers=exchange.response_headers(upstream),
                     background=count_tokens)
@@ -249,7 +271,7 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
         except aiohttp.ClientError as exc:
             # Too late to retry: tokens reached the client. Say so in the stream, as the engine itself would.
             outcome[0] = BACKEND_ERROR
-            error = APIError(502, f"backend {upstream.backend.url} failed mid-stream: {type(exc).__name__}",
+            error = APIError(502, f"backend {upstream.backend.shown_url} failed mid-stream: {type(exc).__name__}",
                              type=SERVER_ERROR, code="backend_error")
             yield f"data: {json.dumps(error.envelope())}\n\n".encode()
             return
@@ -259,7 +281,7 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
         await upstream.close()
         if outcome[0] == BACKEND_ERROR:
             upstream.backend.breaker.on_failure()
-        gateway.metrics.requests.labels(upstream.backend.url, outcome[0]).inc()
+        gateway.metrics.requests.labels(upstream.backend.shown_url, outcome[0]).inc()
         await _settle_tokens(gateway, exchange, _stream_tokens(exchange, tap))
         if tap.done:
             _observe_cache(gateway, exchange, upstream, tap.usage)
@@ -274,7 +296,7 @@ def _stream_response(gateway: Gateway, exchange: Exchange, upstream: Upstream, t
 
 def _observe_cache(gateway: Gateway, exchange: Exchange, upstream: Upstream, usage: object) -> None:
     if gateway.router.observe_cache(upstream.decision, exchange.block_hashes, *cache_counts(usage)):
-        gateway.metrics.prefix_expiries.labels(upstream.backend.url, "missed").inc()
+        gateway.metrics.prefix_expiries.labels(upstream.backend.shown_url, "missed").inc()
 
 
 async def _record_turn(gateway: Gateway, exchange: Exchange, answer: str | None) -> None:
@@ -291,10 +313,11 @@ async def _settle_tokens(gateway: Gateway, exchange: Exchange, used_tokens: int 
             logger.warning("could not settle a request's tokens: %s", exc)
 
 
-def _refund(gateway: Gateway, reservation: TokenReservation | None) -> None:
-    """Gives back what a request that will be served nothing reserved (in the background: it is answered now)."""
+def _refund(gateway: Gateway, reservation: TokenReservation | None, used_tokens: int = 0) -> None:
+    """Gives back what a request reserved beyond `used_tokens` (none: it will be served nothing), in the
+    background: it is answered now."""
     if reservation is not None:
-        spawn(limits.settle(gateway.store, reservation, 0))
+        spawn(limits.settle(gateway.store, reservation, used_tokens))
 
 
 def _stream_tokens(exchange: Exchange, tap: StreamTap) -> int | None:

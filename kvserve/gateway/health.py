@@ -107,7 +107,7 @@ async def _get(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
 
 def _set_health(backend: Backend, healthy: bool, why: str) -> None:
     if backend.healthy != healthy:
-        logger.warning("backend %s is %s%s", backend.url, "up" if healthy else "down", f" ({why})" if why else "")
+        logger.warning("backend %s is %s%s", backend.shown_url, "up" if healthy else "down", f" ({why})" if why else "")
     backend.healthy = healthy
 
 

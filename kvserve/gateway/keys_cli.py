@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from kvserve.gateway.keys import create_key, list_keys, revoke_key
-from kvserve.gateway.store import open_store
+from kvserve.gateway.store import move_old_keys, open_store
 
 
 def run_keys(args: argparse.Namespace) -> int:
@@ -18,6 +18,7 @@ async def _run(args: argparse.Namespace) -> int:
     store = open_store(args.redis_url, args.state_path)
     try:
         await store.ping()
+        await move_old_keys(store)
         if args.keys_action == "create":
             key, record = await create_key(store, args.name, args.rpm, args.tpm)
             print(key)

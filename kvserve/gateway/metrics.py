@@ -58,8 +58,8 @@ class _BackendCollector:
                                      "The backend's prefix-cache hits / queries since it started, from its /metrics",
                                      labels=["backend"])
         for backend in self.backends:
-            breaker.add_metric([backend.url], STATE_VALUES[backend.breaker.state])
-            healthy.add_metric([backend.url], 1.0 if backend.healthy else 0.0)
+            breaker.add_metric([backend.shown_url], STATE_VALUES[backend.breaker.state])
+            healthy.add_metric([backend.shown_url], 1.0 if backend.healthy else 0.0)
             queries = backend.load.prefix_cache_queries
-            hit_rate.add_metric([backend.url], backend.load.prefix_cache_hits / queries if queries else 0.0)
+            hit_rate.add_metric([backend.shown_url], backend.load.prefix_cache_hits / queries if queries else 0.0)
         yield from (breaker, healthy, hit_rate)

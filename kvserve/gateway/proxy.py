@@ -72,7 +72,7 @@ async def open_upstream(http: aiohttp.ClientSession, router: Router, metrics: Ga
             return upstream
         last_failure = upstream
         tried.add(decision.backend.url)
-        metrics.retries.labels(decision.backend.url).inc()
+        metrics.retries.labels(decision.backend.shown_url).inc()
     raise UpstreamFailed(f"{policy.max_attempts} attempts failed; last: {last_failure}")
 
 
@@ -88,15 +88,15 @@ async def _attempt(http: aiohttp.ClientSession, decision: RouteDecision, metrics
     except RETRYABLE_ERRORS as exc:
         backend.in_flight -= 1
         backend.breaker.on_failure()
-        return f"{backend.url}: {type(exc).__name__}"
+        return f"{backend.shown_url}: {type(exc).__name__}"
     except BaseException:
         backend.in_flight -= 1
         raise
-    metrics.upstream_latency.labels(backend.url).observe(time.perf_counter() - started)
+    metrics.upstream_latency.labels(backend.shown_url).observe(time.perf_counter() - started)
     if response.status in RETRYABLE_STATUSES:
         response.close()
         backend.in_flight -= 1
         backend.breaker.on_failure()
-        return f"{backend.url}: HTTP {response.status}"
+        return f"{backend.shown_url}: HTTP {response.status}"
     backend.breaker.on_success()
     return Upstream(decision, response)

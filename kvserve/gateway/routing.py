@@ -180,6 +180,7 @@ class Router:
         return candidates[0]
 
     def _why_none(self, exclude: set[str]) -> str:
-        states = [f"{b.url}: {'tried' if b.url in exclude else 'down' if not b.healthy else 'breaker ' + b.breaker.state}"
+        states = [f"{b.shown_url}: "
+                  f"{'tried' if b.url in exclude else 'down' if not b.healthy else 'breaker ' + b.breaker.state}"
                   for b in self.backends]
         return "no backend is available (" + "; ".join(states) + ")"

@@ -7,32 +7,36 @@ What is stored:
 - the prefix index: prompt-block hash -> the backend that last served a prompt starting with that block chain,
   and when; plus each backend's cache horizon: entries recorded at or before it are gone from that backend's
   cache (it evicted them or restarted, see prefix_feedback) and no longer route;
-- conversations: the messages of each conversation, in order, bounded in length, expiring after a TTL;
+- conversations: the messages of each conversation, in order, expiring after a TTL, bounded in length: past the
+  bound the oldest messages go, except the leading system message(s); an append that names a request id is
+  made once, a retry of the same request appends nothing;
 - counters: rate-limit windows (they expire with their window);
 - API keys: salted hashes and limits, never the key itself.
 
-Every method is async so the Redis store never blocks the event loop; the SQLite one runs its statements
-inline (a local file, microseconds per statement) under a lock, which keeps one code path for both.
-Failures of the store raise `StoreUnavailable`, which the app answers with a 503.
+Every method is async: the Redis store never blocks the event loop, and the SQLite one (sqlite_store.py) runs
+its statements on a thread of its own. Both expire what they keep by the same TTLs (StoreLimits). Failures of
+the store raise `StoreUnavailable`, which the app answers with a 503.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import sqlite3
-import threading
 import time
-from pathlib import Path
 from typing import Protocol
 
 from kvserve.gateway.prefix import PrefixEntry, live_entries
 from kvserve.gateway.recent import RecentWrites
 from kvserve.gateway.request_state import RequestState, StateQuery
+from kvserve.gateway.urls import redacted_url
 
-PREFIX = "kvgw:"
+# Every Redis key carries the hash tag {kvgw}, so all of them map to one Redis Cluster slot: a request's one
+# script call reads its key's record and counters, its session, its conversation and the prefix index with the
+# horizons, shared by every key, so no per-tenant tag could hold one call's keys together (CROSSSLOT), nor those
+# of set_session's MULTI. The gateway's load on Redis, a few commands per LLM request, fits one shard.
+PREFIX = "{kvgw}:"
+OLD_PREFIX = "kvgw:"  # before the tag; what a gateway stored under it is moved by move_old_keys
 
 logger = logging.getLogger("kvserve.gateway")
 
@@ -50,7 +54,8 @@ class Store(Protocol):
     async def prefix_record(self, block_hashes: list[str], backend: str) -> None: ...
     async def prefix_expire(self, backend: str, horizon: float) -> None: ...
     async def conversation_load(self, conversation_id: str) -> list[dict]: ...
-    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None: ...
+    async def conversation_append(self, conversation_id: str, messages: list[dict],
+                                  request_id: str | None = None) -> None: ...
     async def counter_add(self, name: str, amount: int, ttl_s: int) -> int: ...
     async def counter_get(self, name: str) -> int: ...
     async def key_put(self, key_id: str, record: dict) -> None: ...
@@ -77,6 +82,8 @@ def open_store(redis_url: str | None, state_path: str, limits: StoreLimits | Non
     limits = limits or StoreLimits()
     if redis_url:
         return RedisStore(redis_url, limits)
+    from kvserve.gateway.sqlite_store import SQLiteStore  # it imports this module's StoreLimits
+
     return SQLiteStore(state_path, limits)
 
 
@@ -122,6 +129,30 @@ return out
 """
 
 
+# conversation_append's script. KEYS: the conversation, then the request's turn marker if it has an id. ARGV: the
+# most messages kept, the TTL, then the messages. The marker (SET NX) makes a retried request's append a no-op.
+# Past the bound the list keeps its leading system messages (read one by one: usually one) and the newest rest.
+APPEND_SCRIPT = """
+local conversation, bound, ttl = KEYS[1], tonumber(ARGV[1]), ARGV[2]
+if KEYS[2] and not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ttl) then return 0 end
+for first = 3, #ARGV, 1000 do
+  redis.call('RPUSH', conversation, unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+redis.call('EXPIRE', conversation, ttl)
+if redis.call('LLEN', conversation) <= bound then return 1 end
+local head = {}
+while #head < bound - 1 do
+  local item = redis.call('LINDEX', conversation, #head)
+  local ok, message = pcall(cjson.decode, item)
+  if not ok or type(message) ~= 'table' or message.role ~= 'system' then break end
+  head[#head + 1] = item
+end
+redis.call('LTRIM', conversation, #head - bound, -1)
+for index = #head, 1, -1 do redis.call('LPUSH', conversation, head[index]) end
+return 1
+"""
+
+
 class RedisStore:
     def __init__(self, url: str, limits: StoreLimits) -> None:
         import redis.asyncio as redis
@@ -137,12 +168,13 @@ class RedisStore:
                                           health_check_interval=0)
         self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._read_state = self.redis.register_script(READ_STATE_SCRIPT)
+        self._append = self.redis.register_script(APPEND_SCRIPT)
 
     async def _call(self, coroutine):
         try:
             return await coroutine
         except self._errors as exc:
-            raise StoreUnavailable(f"Redis at {_redacted(self.url)} is unavailable ({type(exc).__name__})") from None
+            raise StoreUnavailable(f"Redis at {redacted_url(self.url)} is unavailable ({type(exc).__name__})") from None
 
     async def ping(self) -> None:
         await self._call(self.redis.ping())
@@ -209,13 +241,14 @@ class RedisStore:
         items = await self._call(self.redis.lrange(f"{PREFIX}conversation:{conversation_id}", 0, -1))
         return [json.loads(item) for item in items]
 
-    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None:
-        key = f"{PREFIX}conversation:{conversation_id}"
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.rpush(key, *[json.dumps(m, ensure_ascii=False) for m in messages])
-        pipe.ltrim(key, -self.limits.conversation_max_messages, -1)
-        pipe.expire(key, self.limits.conversation_ttl_s)
-        await self._call(pipe.execute())
+    async def conversation_append(self, conversation_id: str, messages: list[dict],
+                                  request_id: str | None = None) -> None:
+        keys = [f"{PREFIX}conversation:{conversation_id}"]
+        if request_id is not None:
+            keys.append(f"{PREFIX}turn:{conversation_id}:{request_id}")
+        args = [self.limits.conversation_max_messages, self.limits.conversation_ttl_s,
+                *(json.dumps(m, ensure_ascii=False) for m in messages)]
+        await self._call(self._append(keys=keys, args=args))
 
     async def counter_add(self, name: str, amount: int, ttl_s: int) -> int:
         pipe = self.redis.pipeline(transaction=True)
@@ -283,181 +316,37 @@ class RedisStore:
             state.prefix_entries = live_entries(values, dict(zip(horizons[::2], horizons[1::2])))
         return state
 
+    async def move_old_keys(self) -> tuple[int, int]:
+        """Moves what a gateway before the {kvgw} tag stored and still matters to the tagged names: the API keys
+        (merged, a key stored under both names keeps the tagged record) and the conversations (renamed with
+        their TTLs). Sessions, prefixes, horizons and counters are left to expire: traffic rebuilds them within
+        minutes. Returns (keys moved, conversations moved); a second call finds nothing to move."""
+        return await self._call(self._move_old_keys())
+
+    async def _move_old_keys(self) -> tuple[int, int]:
+        old_keys = await self.redis.hgetall(f"{OLD_PREFIX}keys")
+        for key_id, body in old_keys.items():
+            await self.redis.hsetnx(f"{PREFIX}keys", key_id, body)
+        await self.redis.delete(f"{OLD_PREFIX}keys")
+        conversations = 0
+        async for name in self.redis.scan_iter(match=f"{OLD_PREFIX}conversation:*", count=1000):
+            conversations += await self.redis.renamenx(name, PREFIX + name[len(OLD_PREFIX):])
+        return len(old_keys), conversations
+
     async def close(self) -> None:
         await self.redis.aclose()
 
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, backend TEXT NOT NULL, seen REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS sessions_by_backend ON sessions (backend, seen);
-CREATE TABLE IF NOT EXISTS prefixes (block_hash TEXT PRIMARY KEY, backend TEXT NOT NULL, seen REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS horizons (backend TEXT PRIMARY KEY, horizon REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS messages (conversation_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
-                                     seen REAL NOT NULL, PRIMARY KEY (conversation_id, seq));
-CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL, expires REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS api_keys (key_id TEXT PRIMARY KEY, body TEXT NOT NULL);
-"""
-
-
-class SQLiteStore:
-    def __init__(self, path: str, limits: StoreLimits) -> None:
-        self.path = path
-        self.limits = limits
-        Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        try:
-            # Autocommit, WAL and a busy timeout: several gateway processes may share one file.
-            self.db = sqlite3.connect(Path(path).expanduser(), isolation_level=None, check_same_thread=False,
-                                      timeout=5.0)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            # No fsync per commit (WAL makes that safe against corruption): a commit costs microseconds, not a
-            # millisecond, on every request; a power cut may lose the last moments of routing state, never the file.
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.executescript(SCHEMA)
-        except sqlite3.Error as exc:
-            raise StoreUnavailable(f"state file {path}: {exc}") from None
-        self.lock = threading.Lock()
-
-    def _run(self, sql: str, params: tuple = (), many: list[tuple] | None = None) -> list[tuple]:
-        with self.lock:
-            try:
-                if many is not None:
-                    self.db.executemany(sql, many)
-                    return []
-                return self.db.execute(sql, params).fetchall()
-            except sqlite3.Error as exc:
-                raise StoreUnavailable(f"state file {self.path}: {exc}") from None
-
-    async def ping(self) -> None:
-        self._run("SELECT 1")
-
-    async def get_session(self, session_id: str) -> str | None:
-        now = time.time()
-        rows = self._run("SELECT backend FROM sessions WHERE session_id = ? AND seen > ?",
-                         (session_id, now - self.limits.session_ttl_s))
-        if not rows:
-            return None
-        self._run("UPDATE sessions SET seen = ? WHERE session_id = ?", (now, session_id))
-        return rows[0][0]
-
-    async def set_session(self, session_id: str, backend: str, previous: str | None) -> None:
-        self._run("INSERT INTO sessions VALUES (?, ?, ?) ON CONFLICT (session_id) DO UPDATE "
-                  "SET backend = excluded.backend, seen = excluded.seen", (session_id, backend, time.time()))
-
-    async def session_counts(self) -> dict[str, int]:
-        rows = self._run("SELECT backend, count(*) FROM sessions WHERE seen > ? GROUP BY backend",
-                         (time.time() - self.limits.session_ttl_s,))
-        return {backend: count for backend, count in rows}
-
-    async def prefix_lookup(self, block_hashes: list[str]) -> list[str | None]:
-        if not block_hashes:
-            return []
-        marks = ",".join("?" * len(block_hashes))
-        rows = self._run(f"SELECT block_hash, prefixes.backend, seen FROM prefixes LEFT JOIN horizons "
-                         f"ON horizons.backend = prefixes.backend WHERE block_hash IN ({marks}) AND seen > ? "
-                         f"AND seen > coalesce(horizon, 0)",
-                         (*block_hashes, time.time() - self.limits.prefix_ttl_s))
-        found = {block_hash: (backend, seen) for block_hash, backend, seen in rows}
-        return [found.get(h) for h in block_hashes]
-
-    async def prefix_record(self, block_hashes: list[str], backend: str) -> None:
-        now = time.time()
-        self._run("INSERT OR REPLACE INTO prefixes VALUES (?, ?, ?)", many=[(h, backend, now) for h in block_hashes])
-
-    async def prefix_expire(self, backend: str, horizon: float) -> None:
-        self._run("INSERT INTO horizons VALUES (?, ?) ON CONFLICT (backend) DO UPDATE "
-                  "SET horizon = max(horizon, excluded.horizon)", (backend, horizon))
-
-    async def conversation_load(self, conversation_id: str) -> list[dict]:
-        rows = self._run("SELECT body FROM messages WHERE conversation_id = ? AND seen > ? ORDER BY seq",
-                         (conversation_id, time.time() - self.limits.conversation_ttl_s))
-        return [json.loads(body) for (body,) in rows]
-
-    async def conversation_append(self, conversation_id: str, messages: list[dict]) -> None:
-        now = time.time()
-        with self._transaction():
-            (last,) = self.db.execute("SELECT coalesce(max(seq), -1) FROM messages WHERE conversation_id = ?",
-                                      (conversation_id,)).fetchone()
-            rows = [(conversation_id, last + 1 + i, json.dumps(m, ensure_ascii=False), now)
-                    for i, m in enumerate(messages)]
-            self.db.executemany("INSERT INTO messages VALUES (?, ?, ?, ?)", rows)
-            newest = last + len(messages)
-            self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND seq <= ?",
-                            (conversation_id, newest - self.limits.conversation_max_messages))
-            # The TTL runs from the last turn, as Redis's EXPIRE on every append does.
-            self.db.execute("UPDATE messages SET seen = ? WHERE conversation_id = ?", (now, conversation_id))
-
-    @contextlib.contextmanager
-    def _transaction(self):
-        """BEGIN IMMEDIATE ... COMMIT under the lock; any SQLite error, a failed ROLLBACK included (a BEGIN that
-        never began has nothing to roll back), is a StoreUnavailable, never a 500."""
-        with self.lock:
-            try:
-                self.db.execute("BEGIN IMMEDIATE")
-                yield
-                self.db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    self.db.execute("ROLLBACK")
-                raise StoreUnavailable(f"state file {self.path}: {exc}") from None
-
-    async def counter_add(self, name: str, amount: int, ttl_s: int) -> int:
-        now = time.time()
-        self._run("DELETE FROM counters WHERE name = ? AND expires <= ?", (name, now))
-        rows = self._run("INSERT INTO counters VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE "
-                         "SET value = value + excluded.value RETURNING value", (name, amount, now + ttl_s))
-        return int(rows[0][0])
-
-    def _reserve_tokens(self, query: StateQuery) -> tuple[int, int]:
-        """(the window's tokens, what this request reserved: 0 if refused), as the Redis script decides."""
-        cost, limit, name = query.tokens_cost, query.tokens_limit, query.tokens_counter
-        with self._transaction():
-            now = time.time()
-            rows = self.db.execute("SELECT value FROM counters WHERE name = ? AND expires > ?", (name, now)).fetchall()
-            used = int(rows[0][0]) if rows else 0
-            if used + cost.wanted > limit:
-                return used, 0
-            reserved = limit - used if cost.completion_tokens is None else cost.wanted
-            self.db.execute("INSERT OR REPLACE INTO counters VALUES (?, ?, ?)",
-                            (name, used + reserved, now + query.counter_ttl_s))
-            return used + reserved, reserved
-
-    async def counter_get(self, name: str) -> int:
-        rows = self._run("SELECT value FROM counters WHERE name = ? AND expires > ?", (name, time.time()))
-        return int(rows[0][0]) if rows else 0
-
-    async def key_put(self, key_id: str, record: dict) -> None:
-        self._run("INSERT OR REPLACE INTO api_keys VALUES (?, ?)", (key_id, json.dumps(record)))
-
-    async def key_get(self, key_id: str) -> dict | None:
-        rows = self._run("SELECT body FROM api_keys WHERE key_id = ?", (key_id,))
-        return json.loads(rows[0][0]) if rows else None
-
-    async def key_list(self) -> list[dict]:
-        rows = self._run("SELECT body FROM api_keys")
-        return sorted((json.loads(body) for (body,) in rows), key=lambda r: r["created_at"])
-
-    async def read_request_state(self, query: StateQuery) -> RequestState:
-        # A local file: the statements one after another cost microseconds, no round trips to save.
-        state = RequestState()
-        if query.key_id is not None:
-            state.key_record = await self.key_get(query.key_id)
-        if query.requests_counter is not None:
-            state.requests_used = await self.counter_add(query.requests_counter, 1, query.counter_ttl_s)
-        if query.tokens_counter is not None:
-            state.tokens_used, state.tokens_reserved = self._reserve_tokens(query)
-        if query.session_id is not None:
-            state.session_backend = await self.get_session(query.session_id)
-        if query.conversation_id is not None:
-            state.conversation = await self.conversation_load(query.conversation_id)
-        state.prefix_entries = await self.prefix_lookup(query.prefix_hashes)
-        return state
-
-    async def close(self) -> None:
-        with self.lock:
-            self.db.close()
-
-
 _background: set[asyncio.Task] = set()
+
+
+async def move_old_keys(store: Store) -> None:
+    """At start: a Redis store moves what an older gateway stored to this layout (see RedisStore)."""
+    if isinstance(store, RedisStore):
+        moved_keys, moved_conversations = await store.move_old_keys()
+        if moved_keys or moved_conversations:
+            logger.info("moved %d API keys and %d conversations to the {kvgw} key layout", moved_keys,
+                        moved_conversations)
 
 
 def spawn(coroutine) -> None:
@@ -479,10 +368,3 @@ async def drain_background() -> None:
     while _background:
         await asyncio.gather(*list(_background), return_exceptions=True)
 
-
-def _redacted(url: str) -> str:
-    # redis://user:password@host -> redis://***@host: the 503 message must not leak Redis's password.
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return scheme + sep + rest

@@ -9,7 +9,8 @@ PRIVACY: the file holds every prompt and completion in full. Treat it like the t
 shared disks, rotate and delete it, and turn the flag on for a diagnosis rather than permanently.
 
 The request path pays only for queueing a reference: JSON encoding and file writes happen in a writer thread,
-which flushes whenever it has drained its queue and once more at shutdown. A file it creates is 0600.
+which flushes whenever it has drained its queue and once more at shutdown. A file it creates is 0600, and
+each folder it creates on the way to it 0700.
 """
 
 from __future__ import annotations
@@ -106,8 +107,20 @@ def check_log_path(path: str) -> None:
 
 def open_private_append(path: Path):
     """Opens for appending; a file this creates is the owner's alone (0600): it holds every prompt and answer."""
+    make_private_folders(path.parent)
     descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     return os.fdopen(descriptor, "a", encoding="utf-8", buffering=WRITE_BUFFER_BYTES)
+
+
+def make_private_folders(folder: Path) -> None:
+    """Creates the missing folders of `folder`, each 0700 (os.makedirs gives its `mode` only to the last one);
+    folders that exist are left as they are."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for each in reversed(missing):
+        each.mkdir(mode=0o700, exist_ok=True)
 
 
 def approximate_bytes(entry: LoggedRequest) -> int:
