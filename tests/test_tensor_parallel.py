@@ -116,12 +116,14 @@ def test_each_rank_pool_is_the_planners_per_gpu_figure(tiny_model_dir, caplog):
         llm.close()
 
 
-def test_quantized_kv_prefix_hits_and_host_tier_under_tp(tiny_model_dir):
-    """int8 KV scales are per (token, head), so splitting heads leaves every value as it was at TP 1; blocks
-    evicted to the host tier carry both ranks' halves and come back whole."""
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_kv_prefix_hits_and_host_tier_under_tp(tiny_model_dir, kv_dtype):
+    """int8 KV scales are per (token, head) and int4 keys' per (block, head, channel), so splitting heads leaves
+    every value as it was at TP 1 (each rank stages its own heads' filling blocks alike); blocks evicted to the
+    host tier carry both ranks' halves and come back whole."""
     folder, _ = tiny_model_dir("llama")
     histories = [[5 + (s * 31 + j * 7) % 300 for j in range(150)] for s in range(4)]
-    settings = dict(COMMON, kv_cache_dtype="int8", num_gpu_blocks_override=24, kv_offloading_size=0.01,
+    settings = dict(COMMON, kv_cache_dtype=kv_dtype, num_gpu_blocks_override=24, kv_offloading_size=0.01,
                     max_model_len=256)
     results = []
     for tp in (1, 2):
