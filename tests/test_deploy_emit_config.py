@@ -70,6 +70,14 @@ def test_serve_yaml_is_accepted_by_kvserve_serve_with_the_plans_flags(plan_args,
     assert args.gpu_memory_utilization == inputs["gpu_memory_utilization"]
     assert args.max_num_batched_tokens == inputs["max_num_batched_tokens"]
     assert args.enable_prefix_caching and args.kv_offloading_size >= plan["kv_pool_bytes"] / 2**30
+    assert args.prefix_caching_hash_algo == "sha256"  # the engine is shared by tenants behind the gateway
+
+
+def test_the_base_and_every_overlay_hash_blocks_with_sha256(tmp_path):
+    for serve_yaml in [DEPLOY / "base" / "serve.yaml", *(DEPLOY / "overlays" / name / "serve.yaml"
+                                                         for name in GPU_OVERLAYS)]:
+        args = parse_command_line(["serve", "--config", "serve.yaml"], serve_yaml.read_text(), tmp_path)
+        assert args.prefix_caching_hash_algo == "sha256", serve_yaml
 
 
 @needs_kubectl

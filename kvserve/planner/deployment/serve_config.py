@@ -44,6 +44,7 @@ def serve_options(plan: Plan, model_arg: str, sizing: PodSizing) -> list[tuple[s
         ("block-size", request.block_size, ""),
         ("kv-cache-dtype", request.kv_cache_dtype, f"stored as {plan.kv.name}"),
         ("enable-prefix-caching", True, ""),
+        ("prefix-caching-hash-algo", "sha256", "tenants share the engine: block hashes no one can collide"),
         ("kv-offloading-size", sizing.host_tier_gib, "GiB of host memory: one pool's worth of idle sessions"),
         ("kv-disk-size", sizing.disk_tier_gib, "GiB on the engine's volume (--kv-disk-path is in the manifest)"),
         ("shutdown-timeout", SHUTDOWN_TIMEOUT_S, "seconds of draining on SIGTERM"),
