@@ -242,3 +242,16 @@ def test_a_completion_with_a_known_key_reads_its_state_in_one_round_trip(gateway
     # One script call a request, and in it: the key's record (a revocation shows at once), the request counted in
     # its window with the window's expiry, and the session's backend.
     assert calls == {"evalsha": 3, "hget": 3, "incrby": 3, "expire": 3, "get": 3}
+
+
+def test_two_keys_naming_the_same_session_get_two_sessions(gateway, redis):
+    """A client's own session id (x-session-id or `user`) is scoped to its key under --cache-sharing key: two
+    tenants that both say "alice" are routed as two sessions, so neither steers the other's placement or learns
+    from x-kvserve-backend where the other's session lives."""
+    (first, first_id), (second, second_id) = create_key(redis), create_key(redis)
+    for key in (first, second):
+        chat(gateway, "hello", api_key=key, extra_headers={"X-Session-ID": "alice"})
+        chat(gateway, "hello again", api_key=key, user="alice")
+    sessions = sorted(redis.cli("--scan", "--pattern", "{kvgw}:session:*").split())
+    assert sessions == sorted(f"{{kvgw}}:session:{kind}:{key_id}:alice"
+                              for kind in ("header", "user") for key_id in (first_id, second_id))

@@ -24,3 +24,10 @@ def cache_salt_for(key: KeyRecord | None, client_salt: str | None, sharing: str)
     # The record's random salt keeps it unguessable from a key id (which is not a secret).
     material = "\0".join((key.key_id, key.salt, client_salt or ""))
     return "kvgw-" + hashlib.sha256(material.encode()).hexdigest()
+
+
+def session_scope(key: KeyRecord | None, sharing: str) -> str:
+    """What a client's own session id (its x-session-id header or `user`) is prefixed with: the key's id when
+    tenants are kept apart, so two keys' "alice" are two sessions and one key cannot steer, or learn from the
+    backend header where another's session lives."""
+    return f"{key.key_id}:" if sharing == KEY and key is not None else ""

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from kvserve.gateway import limits
 from kvserve.gateway.backends import Backend
-from kvserve.gateway.cache_scope import cache_salt_for
+from kvserve.gateway.cache_scope import cache_salt_for, session_scope
 from kvserve.gateway.conversation import (
     IDEMPOTENCY_HEADER, ConversationTurn, answer_of, put_history_first, record_turn, take_conversation,
 )
@@ -154,7 +154,8 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
         raise bad_request("conversation is only for /v1/chat/completions", param="conversation")
     request_id = request.headers.get(IDEMPOTENCY_HEADER)
     turn = take_conversation(body, key.key_id if key else None, request_id) if chat else None
-    session_id = turn.session_id if turn else _header_session(request) or _user_of(body)
+    scope = session_scope(key, gateway.settings.cache_sharing)
+    session_id = turn.session_id if turn else _header_session(request, scope) or _user_of(body, scope)
     salt = cache_salt_for(key, fields.cache_salt, gateway.settings.cache_sharing)
     block_hashes = [] if turn else prefix_block_hashes(body, gateway.settings.prefix_block_chars, salt)
     state, key, limit, reservation = await _read_state(gateway, presented, turn, session_id, block_hashes,
@@ -334,15 +335,15 @@ def _outcome(status: int) -> str:
     return SUCCESS if status < 400 else CLIENT_ERROR if status < 500 else BACKEND_ERROR
 
 
-def _header_session(request: Request) -> str | None:
+def _header_session(request: Request, scope: str) -> str | None:
     # Namespaced like users and conversations, so a header can never claim a conversation's session.
     value = request.headers.get(SESSION_HEADER)
-    return f"header:{value}" if value else None
+    return f"header:{scope}{value}" if value else None
 
 
-def _user_of(body: dict) -> str | None:
+def _user_of(body: dict, scope: str) -> str | None:
     user = body.get("user")
-    return f"user:{user}" if isinstance(user, str) and user else None
+    return f"user:{scope}{user}" if isinstance(user, str) and user else None
 
 
 def _asked_usage(body: dict) -> bool:
