@@ -28,7 +28,7 @@ from kvserve.engine.rank_state import RankState, build_rank
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import prompt_logprobs, sample
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput, StepUpdate
 from kvserve.engine.tier_setup import build_tiers
 from kvserve.engine.tp_group import ShardedBlockCopier, TensorParallelGroup
 from kvserve.model.loader import LoadedModel, check_tensor_parallel
@@ -266,25 +266,22 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
-        self.counters.num_steps += 1
+        model_output = self._execute(scheduler_output)
+        update = self.scheduler.update_from_output(scheduler_output, model_output, time.monotonic())
+        return self._outputs(update)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """The step's forward (on every rank), its prompt logprobs and its sampled tokens."""
         started = time.perf_counter()
-        step = self._execute(scheduler_output.scheduled)
+        step = self._forward(scheduler_output.scheduled)
+        self.counters.num_steps += 1
         if self.tiers is not None:  # what a load must beat: this engine's measured prefill speed
             prefill_tokens = sum(item.num_new_tokens for item in scheduler_output.scheduled if item.num_new_tokens > 1)
             self.tiers.note_prefill(prefill_tokens, time.perf_counter() - started)
-        for item in scheduler_output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-        self._score_prompts(step)
-        touched: dict[str, None] = {}
-        sampled = sample(step.logits, [item.request for item in step.sampling])
-        now = time.monotonic()
-        for item, token in zip(step.sampling, sampled):
-            request = item.request
-            self._append_token(request, token.token_id, token.logprobs, now)
-            touched[self.child_parent[request.request_id]] = None
-        return [self._output(parent_id) for parent_id in touched]
+        requests = [item.request for item in step.sampling]
+        return ModelOutput(list(zip(requests, sample(step.logits, requests))), self._prompt_logprobs(step))
 
-    def _execute(self, scheduled) -> StepLogits:
+    def _forward(self, scheduled) -> StepLogits:
         plan = plan_step(scheduled, self.kv_cache)
         if self.tp is None:
             return ModelRunner.logits_of(plan, self.runner.run(plan.inputs))
@@ -295,48 +292,29 @@ class LLMEngine:
             raise self.tp.failed(exc) from None
         return ModelRunner.logits_of(plan, logits)
 
-    def _score_prompts(self, step: StepLogits) -> None:
-        row = 0
+    @staticmethod
+    def _prompt_logprobs(step: StepLogits) -> list[tuple[Request, list]]:
+        scored, row = [], 0
         for span in step.prompt_spans:
             request = span.request
             first = span.first_position
             next_tokens = request.prompt_token_ids[first + 1:first + 1 + span.num_positions]
             logits = step.prompt_logits[row:row + span.num_positions]
-            request.prompt_logprobs += prompt_logprobs(logits, next_tokens, request.sampling_params.prompt_logprobs)
+            scored.append((request, prompt_logprobs(logits, next_tokens, request.sampling_params.prompt_logprobs)))
             row += span.num_positions
+        return scored
 
-    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> None:
-        request.append_output_token(token_id)
-        self.counters.generation_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-            self.counters.prompt_tokens += request.num_prompt_tokens
-        if logprobs is not None:
-            request.logprobs.append(logprobs)
-            request.cumulative_logprob += logprobs.logprob
-        stop_string = request.detokenizer.append(token_id)
-        status = self._stop_status(request, token_id, stop_string)
-        if status is not None:
-            self.scheduler.finish(request, status)
+    def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
+        """The step's outputs, one per parent request that got a token; the counters and idle sessions noted."""
+        self.counters.generation_tokens += len(update.sampled)
+        self.counters.prompt_tokens += sum(request.num_prompt_tokens for request in update.first_tokens)
+        for request in update.finished:
             if request.session_id is not None and self.idle_sessions is not None:
-                self.idle_sessions.note(request.session_id, request.block_hashes, now)
-            reason = status.value
+                self.idle_sessions.note(request.session_id, request.block_hashes, request.finished_time)
+            reason = request.status.value
             self.counters.finished_by_reason[reason] = self.counters.finished_by_reason.get(reason, 0) + 1
-
-    def _stop_status(self, request: Request, token_id: int, stop_string: str | None) -> RequestStatus | None:
-        params = request.sampling_params
-        if stop_string is not None:
-            request.stop_reason = stop_string
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_output_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        touched = dict.fromkeys(self.child_parent[request.request_id] for request in update.sampled)
+        return [self._output(parent_id) for parent_id in touched]
 
     # ---- outputs out ------------------------------------------------------------------------------------
 

@@ -90,6 +90,13 @@ class Request:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
+    def append_sampled(self, token_id: int, logprobs) -> None:
+        """A sampled token and, when asked for, its logprobs."""
+        self.append_output_token(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs.logprob
+
     @property
     def max_output_tokens(self) -> int:
         room = self.max_model_len - self.num_prompt_tokens

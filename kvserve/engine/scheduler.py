@@ -11,10 +11,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.stopping import stop_status
+
+if TYPE_CHECKING:
+    from kvserve.engine.sampler import SampledToken  # the sampler is torch; the scheduler is bookkeeping
 
 # lpm: a waiting request passed over this many times is admitted next whatever its cached prefix.
 LPM_MAX_SKIPS = 16
@@ -39,6 +44,23 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What a step's forward and sampling produced, for update_from_output."""
+
+    sampled: list[tuple[Request, SampledToken]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Request, list]] = field(default_factory=list)  # each request's newly scored positions
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What update_from_output changed, for the engine's outputs and counters."""
+
+    sampled: list[Request] = field(default_factory=list)  # got a token this step
+    first_tokens: list[Request] = field(default_factory=list)  # of those, their first
+    finished: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -130,6 +152,28 @@ class Scheduler:
         if best is not head:
             self._lpm_skips[head.request_id] = self._lpm_skips.get(head.request_id, 0) + 1
         return best
+
+    def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput, now: float) -> StepUpdate:
+        """The one place a step's results change requests: each scheduled request advances by the tokens it
+        computed, prompt logprobs and sampled tokens are appended, and a request that stops is finished (its
+        blocks freed for the next step)."""
+        for item in output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        for request, scored in model_output.prompt_logprobs:
+            request.prompt_logprobs += scored
+        update = StepUpdate()
+        for request, token in model_output.sampled:
+            if request.first_token_time is None:
+                request.first_token_time = now
+                update.first_tokens.append(request)
+            request.append_sampled(token.token_id, token.logprobs)
+            update.sampled.append(request)
+            stop_string = request.detokenizer.append(token.token_id)
+            status = stop_status(request, token.token_id, stop_string, self.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+                update.finished.append(request)
+        return update
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Frees a finished or aborted request's blocks now, so the next step can use them."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvserve.gateway.prefix import PrefixEntry
 from kvserve.gateway.request_state import RequestState, StateQuery
-from kvserve.gateway.store import StoreLimits, StoreUnavailable
+from kvserve.gateway.store_types import StoreLimits, StoreUnavailable
 
 BUSY_TIMEOUT_S = 0.25  # another process's write takes microseconds; a lock held longer is a fault to report
 SWEEP_INTERVAL_S = 60.0

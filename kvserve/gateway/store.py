@@ -24,11 +24,11 @@ import asyncio
 import json
 import logging
 import time
-from typing import Protocol
 
 from kvserve.gateway.prefix import PrefixEntry, live_entries
 from kvserve.gateway.recent import RecentWrites
 from kvserve.gateway.request_state import RequestState, StateQuery
+from kvserve.gateway.store_types import Store, StoreLimits, StoreUnavailable
 from kvserve.gateway.urls import redacted_url
 
 # Every Redis key carries the hash tag {kvgw}, so all of them map to one Redis Cluster slot: a request's one
@@ -41,48 +41,11 @@ OLD_PREFIX = "kvgw:"  # before the tag; what a gateway stored under it is moved 
 logger = logging.getLogger("kvserve.gateway")
 
 
-class StoreUnavailable(Exception):
-    pass
-
-
-class Store(Protocol):
-    async def ping(self) -> None: ...
-    async def get_session(self, session_id: str) -> str | None: ...
-    async def set_session(self, session_id: str, backend: str, previous: str | None) -> None: ...
-    async def session_counts(self) -> dict[str, int]: ...
-    async def prefix_lookup(self, block_hashes: list[str]) -> list[PrefixEntry | None]: ...
-    async def prefix_record(self, block_hashes: list[str], backend: str) -> None: ...
-    async def prefix_expire(self, backend: str, horizon: float) -> None: ...
-    async def conversation_load(self, conversation_id: str) -> list[dict]: ...
-    async def conversation_append(self, conversation_id: str, messages: list[dict],
-                                  request_id: str | None = None) -> None: ...
-    async def counter_add(self, name: str, amount: int, ttl_s: int) -> int: ...
-    async def counter_get(self, name: str) -> int: ...
-    async def key_put(self, key_id: str, record: dict) -> None: ...
-    async def key_get(self, key_id: str) -> dict | None: ...
-    async def key_list(self) -> list[dict]: ...
-    async def read_request_state(self, query: StateQuery) -> RequestState: ...
-    async def close(self) -> None: ...
-
-
-class StoreLimits:
-    """TTLs and bounds shared by both stores."""
-
-    __slots__ = ("session_ttl_s", "prefix_ttl_s", "conversation_ttl_s", "conversation_max_messages")
-
-    def __init__(self, session_ttl_s: int = 86400, prefix_ttl_s: int = 3600, conversation_ttl_s: int = 86400,
-                 conversation_max_messages: int = 256) -> None:
-        self.session_ttl_s = session_ttl_s
-        self.prefix_ttl_s = prefix_ttl_s
-        self.conversation_ttl_s = conversation_ttl_s
-        self.conversation_max_messages = conversation_max_messages
-
-
 def open_store(redis_url: str | None, state_path: str, limits: StoreLimits | None = None) -> Store:
     limits = limits or StoreLimits()
     if redis_url:
         return RedisStore(redis_url, limits)
-    from kvserve.gateway.sqlite_store import SQLiteStore  # it imports this module's StoreLimits
+    from kvserve.gateway.sqlite_store import SQLiteStore  # only when asked: most deployments use Redis
 
     return SQLiteStore(state_path, limits)
 
