@@ -169,6 +169,7 @@ class BlockPool:
         # One block per hash. If two requests fill blocks with the same content concurrently, the first one
         # registered keeps the hash and the other block stays unhashed (see cache_block).
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        self.num_evictable_cached = 0  # hashed blocks with ref_cnt 0: free to take, still holding a prefix
         self.stats = PrefixCacheStats()
         # Called with (block ids, hashes) of the cached blocks an allocation evicts, before it returns: their K/V
         # is intact until the step's forward writes them (the KV tiers copy them out here).
@@ -216,6 +217,7 @@ class BlockPool:
         removed = self.cached_blocks.pop(block.block_hash)  # type: ignore[arg-type]
         assert removed is block, "hash map points at another block"
         block.block_hash = None
+        self.num_evictable_cached -= 1  # only ref-0 blocks are evicted
         self.stats.evictions += 1
 
     def uncache(self, block: KVBlock) -> None:
@@ -232,6 +234,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 free_queue.remove(block)
+                self.num_evictable_cached -= block.block_hash is not None
             block.ref_cnt += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
@@ -260,6 +263,7 @@ class BlockPool:
                     free_queue.appendleft(block)
                 else:
                     free_queue.append(block)
+                    self.num_evictable_cached += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False, nothing changed) while any block is in use, as in vLLM:
@@ -269,6 +273,7 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        self.num_evictable_cached = 0
         return True
 
     def check_invariants(self) -> None:
@@ -286,6 +291,8 @@ class BlockPool:
             if block.block_hash is not None:
                 assert self.enable_caching, "a block is hashed with prefix caching off"
                 assert self.cached_blocks.get(block.block_hash) is block, f"block {block.block_id} hash not mapped"
+        evictable = sum(1 for block in self.cached_blocks.values() if block.ref_cnt == 0)
+        assert self.num_evictable_cached == evictable, f"{self.num_evictable_cached} evictable counted, {evictable} are"
         for block_hash, block in self.cached_blocks.items():
             assert block.block_hash == block_hash, f"hash map entry for block {block.block_id} is stale"
             assert self.blocks[block.block_id] is block

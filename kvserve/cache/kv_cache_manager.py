@@ -89,6 +89,11 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
+    def num_evictable_cached_blocks(self) -> int:
+        """Of those, the ones still holding a cached prefix (hashed, ref 0)."""
+        return self.pool.num_evictable_cached
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks in use (ref > 0), i.e. vLLM's kv_cache_usage_perc as 0..1."""
         return self.pool.usage

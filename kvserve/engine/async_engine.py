@@ -41,10 +41,6 @@ logger = logging.getLogger("kvserve.engine.async")
 
 WORKER_FAILURE_GRACE_S = 5.0
 
-# The pool-state census (free / cached / used blocks) walks the hash map, so it is refreshed at most this often
-# while busy; the cheap counters in EngineStats are refreshed every iteration.
-POOL_CENSUS_INTERVAL_S = 1.0
-
 
 class EngineError(RuntimeError):
     """The engine failed while serving the request (a bug or a device error, not the request's fault)."""
@@ -194,10 +190,10 @@ class RequestStream:
         if self._closed:
             return
         if not self.finished:
-            self._engine._abort(self.request_id)
+            self._engine.abort(self.request_id)
             self._append(RequestCancelled(f"request {self.request_id} was cancelled"))
         self._closed = True
-        self._engine._open_streams.discard(self)
+        self._engine.release(self)
 
     async def _get(self) -> object:
         while not self._pending:
@@ -246,8 +242,6 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._started = False
         self._go = threading.Event()  # lets a thread from build_in_thread begin stepping
-        self._last_census_time = 0.0
-        self._census = self._take_census()
         self.snapshot = self._make_snapshot()
         # Called (from the engine thread) with the error once the engine is dead: the server exits on it.
         self.on_dead: list[Callable[[BaseException], None]] = []
@@ -368,8 +362,13 @@ class AsyncLLMEngine:
         timer.daemon = True
         timer.start()
 
-    def _abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
+        """Asks the engine thread to abort a request (its stream's close does, unless it finished)."""
         self._push(_Abort(request_id))
+
+    def release(self, stream: RequestStream) -> None:
+        """A closed stream leaves the set shutdown must cancel."""
+        self._open_streams.discard(stream)
 
     def _push(self, command: _Command, num_children: int = 0) -> None:
         with self._wakeup:
@@ -520,24 +519,16 @@ class AsyncLLMEngine:
                 pass  # that loop is closed: nobody is waiting any more
 
     def _publish(self) -> None:
-        now = time.monotonic()
-        idle = not self.engine.has_unfinished_requests()
-        if idle or now - self._last_census_time >= POOL_CENSUS_INTERVAL_S:
-            self._census = self._take_census()
-            self._last_census_time = now
-        self.snapshot = self._make_snapshot(now)
+        self.snapshot = self._make_snapshot()
 
-    def _make_snapshot(self, now: float | None = None) -> EngineSnapshot:
-        return EngineSnapshot(self.engine.stats(), self._census, self._num_aborted, now or time.monotonic())
+    def _make_snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(self.engine.stats(), self._take_census(), self._num_aborted, time.monotonic())
 
     def _take_census(self) -> PoolCensus:
         kv_cache = self.engine.kv_cache
         num_used = kv_cache.num_blocks - kv_cache.num_free_blocks
-        cached_blocks = getattr(getattr(kv_cache, "pool", None), "cached_blocks", None)
-        # A hashed block with ref_cnt 0 sits in the free queue but still holds a reusable prefix.
-        num_cached = sum(1 for b in cached_blocks.values() if b.ref_cnt == 0) if cached_blocks else 0
-        num_evictions = getattr(kv_cache.stats, "evictions", 0)
-        return PoolCensus(num_used, num_cached, kv_cache.num_free_blocks - num_cached, num_evictions)
+        num_cached = kv_cache.num_evictable_cached_blocks  # in the free queue, still holding a reusable prefix
+        return PoolCensus(num_used, num_cached, kv_cache.num_free_blocks - num_cached, kv_cache.stats.evictions)
 
 
 def _put_all(items: list[tuple[RequestStream, object]]) -> None:

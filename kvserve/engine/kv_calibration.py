@@ -17,7 +17,8 @@ from __future__ import annotations
 from importlib import resources
 
 from kvserve.cache.kv_storage import LayerKVCache, adopt_calibration, calibration_caches
-from kvserve.engine.model_runner import ModelRunner, StepInputs
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.step_plan import StepInputs
 from kvserve.model.rotary import slow_channels
 
 CALIBRATION_TOKENS = 512

@@ -21,7 +21,8 @@ from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.devices import cpu_threads_per_rank, pick_device, rank_device
 from kvserve.engine.idle_sessions import IdleSessions
-from kvserve.engine.model_runner import ModelRunner, StepLogits, plan_step
+from kvserve.engine.model_runner import ModelRunner, StepLogits
+from kvserve.engine.step_plan import plan_step
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.pool_sizing import PoolPlan
 from kvserve.engine.rank_state import RankState, build_rank

@@ -1,11 +1,7 @@
-"""Turns a scheduled batch into tensors (tokens, positions, slot mapping, attention metadata), runs the model.
-
-Decoding requests go first in the batch so their rows are contiguous, then the prefills. Two halves: `plan_step`
-(rank 0, which owns the scheduler and the block tables) reduces the batch to `StepInputs`, plain lists of
-ints; `ModelRunner.run` (every tensor-parallel rank, on its own shard and KV pool) builds what attention needs
-from them (block tables, the portable path's gather indices, the prefill kernel's query starts and past
-lengths) once per step, shared by every layer, and runs the forward. The runner also decides, once, which CPU
-kernels the model runs.
+"""Runs a step's forward from its `StepInputs` (step_plan.py, made by rank 0): builds what attention needs from them
+(tensors of tokens, positions and slots; block tables, the portable path's gather indices, the prefill kernel's
+query starts and past lengths) once per step, shared by every layer. Every tensor-parallel rank runs one, on its
+own shard and KV pool. The runner also decides, once, which CPU kernels the model runs.
 """
 
 from __future__ import annotations
@@ -15,10 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_storage import LayerKVCache
-from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.engine.step_plan import PromptSpan, StepInputs, StepPlan
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel, kv_writer
 from kvserve.model.layers import BlockQuantWeight
@@ -29,83 +24,11 @@ logger = logging.getLogger("kvserve.engine")
 
 
 @dataclass(slots=True)
-class StepInputs:
-    """One forward, as every rank needs it: cheap to pickle and send to the tensor-parallel workers."""
-
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]  # where each new token's K/V goes
-    logits_rows: list[int]  # rows whose logits are returned: the sampling rows, then the scored prompt rows
-    query_starts: list[int]  # [num_seqs + 1]: sequence s owns rows [query_starts[s], query_starts[s + 1])
-    num_computed: list[int]  # [num_seqs]: tokens already in the cache per sequence
-    num_decodes: int  # the first num_decodes sequences decode one token each
-    block_tables: list[list[int]]  # [num_seqs]: each sequence's blocks, as many as its context after the step
-
-    def context_len(self, seq: int) -> int:
-        return self.num_computed[seq] + self.query_starts[seq + 1] - self.query_starts[seq]
-
-
-@dataclass(slots=True)
-class PromptSpan:
-    """Prompt positions [first_position, first_position + num_positions) of a request scored this step: the
-    logits at position p give the logprob of prompt token p + 1."""
-
-    request: Request
-    first_position: int
-    num_positions: int
-
-
-@dataclass(slots=True)
 class StepLogits:
     sampling: list[ScheduledRequest]
     logits: torch.Tensor  # [len(sampling), vocab]
     prompt_spans: list[PromptSpan]
     prompt_logits: torch.Tensor  # [sum of the spans' positions, vocab], in span order
-
-
-def _prompt_span(request: Request, start: int, end: int) -> PromptSpan | None:
-    """The positions of this step whose next prompt token is not scored yet (a recompute after preemption
-    skips what was scored before)."""
-    first = max(start, len(request.prompt_logprobs) - 1)
-    last = min(end, request.num_prompt_tokens - 1)
-    return PromptSpan(request, first, last - first) if first < last else None
-
-
-@dataclass(slots=True)
-class StepPlan:
-    inputs: StepInputs
-    sampling: list[ScheduledRequest]
-    prompt_spans: list[PromptSpan]
-
-
-def plan_step(scheduled: list[ScheduledRequest], kv_cache: KVCacheManager) -> StepPlan:
-    ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable otherwise
-    size = kv_cache.block_size
-    inputs = StepInputs([], [], [], [], [0], [], sum(1 for item in ordered if item.num_new_tokens == 1), [])
-    sampling: list[ScheduledRequest] = []
-    prompt_rows: list[int] = []
-    prompt_spans: list[PromptSpan] = []
-    for item in ordered:
-        request = item.request
-        start = request.num_computed_tokens
-        end = start + item.num_new_tokens
-        span = _prompt_span(request, start, end) if request.scores_prompt else None
-        if span is not None:
-            prompt_spans.append(span)
-            first_row = len(inputs.token_ids) + span.first_position - start
-            prompt_rows.extend(range(first_row, first_row + span.num_positions))
-        table = kv_cache.get_block_table(request.request_id)[: -(-end // size)]
-        inputs.token_ids.extend(request.all_token_ids[start:end])
-        inputs.positions.extend(range(start, end))
-        inputs.slots.extend(table[p // size] * size + p % size for p in range(start, end))
-        inputs.query_starts.append(len(inputs.token_ids))
-        inputs.num_computed.append(start)
-        inputs.block_tables.append(table)
-        if item.completes_prompt:
-            inputs.logits_rows.append(len(inputs.token_ids) - 1)
-            sampling.append(item)
-    inputs.logits_rows.extend(prompt_rows)
-    return StepPlan(inputs, sampling, prompt_spans)
 
 
 def describe_cpu_weights(model: LlamaForCausalLM, plain_bytes: int) -> str:
