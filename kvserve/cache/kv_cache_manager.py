@@ -3,9 +3,10 @@
 How the scheduler drives it, per request:
 
 1. Admission (first time, or again after preemption freed it):
-   `blocks, num_computed = get_computed_blocks(request)` then
-   `allocate_slots(request, num_new_tokens, num_computed, blocks)`; None means "no room, stay waiting"
-   and leaves no trace, so the scheduler can simply try again next step.
+   `hit = lookup_prefix(request)` (the pool's hits, continued into the KV tiers) then
+   `allocate_slots(request, num_new_tokens, hit.num_tokens, hit.block_ids)`; None means "no room, stay waiting"
+   and leaves no trace, so the scheduler can simply try again next step. `get_computed_blocks` is the pool's
+   part alone, a pure lookup (the scheduler ranks waiting requests with it).
 2. Every later step (prefill chunk or decode): `allocate_slots(request, num_new_tokens, num_computed_tokens)`.
 3. Finish / abort / preemption: `free(request)`.
 
@@ -48,6 +49,18 @@ class CacheRequest(Protocol):
 
 
 @dataclass(slots=True)
+class PrefixHit:
+    """What an admission found cached: its blocks in token order, their tokens, and the tokens loaded per tier."""
+
+    block_ids: list[int]
+    num_tokens: int
+    loaded: dict[str, int]
+
+
+NO_HIT = PrefixHit([], 0, {})
+
+
+@dataclass(slots=True)
 class RequestBlocks:
     block_ids: list[int] = field(default_factory=list)
     # Leading blocks already registered in (or found in) the prefix cache; the next one to hash is this index.
@@ -72,7 +85,7 @@ class KVCacheManager:
         self.tiers: KVTiers | None = None
 
     def attach_tiers(self, tiers: KVTiers) -> None:
-        """Blocks evicted from the pool go to `tiers`; admissions load what they hold (load_from_tiers)."""
+        """Blocks evicted from the pool go to `tiers`; admissions load what they hold (lookup_prefix)."""
         assert self.enable_prefix_caching, "the KV tiers find blocks by hash: they need prefix caching"
         self.tiers = tiers
         self.pool.on_evict = tiers.offload
@@ -116,7 +129,7 @@ class KVCacheManager:
 
     # ---- prefix cache lookup -------------------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[int], int]:  # the pool alone
         """Longest chain of cached full blocks matching the request's tokens from the first block.
 
         Capped so at least one token is left to compute (the last token's logits are needed to sample):
@@ -142,17 +155,24 @@ class KVCacheManager:
             hit_block_ids.append(block.block_id)
         return hit_block_ids, len(hit_block_ids) * self.block_size
 
-    def load_from_tiers(self, request: CacheRequest) -> dict[str, int]:
-        """Continues the request's pool hit chain into the KV tiers and loads the blocks found into pool blocks,
-        where they become ordinary cached blocks (the next get_computed_blocks finds them). Returns the tokens
-        loaded per tier ({} when nothing was). The request's pool hits are held during the load so making room
-        cannot evict them; the loaded blocks are released suffix first, as `free` releases a request's."""
-        if self.tiers is None:
-            return {}
+    def lookup_prefix(self, request: CacheRequest) -> PrefixHit:
+        """An admission's one lookup of its cached prefix: the pool's hit chain, continued into the KV tiers, whose
+        blocks are loaded into pool blocks and become ordinary cached ones. The hit's blocks go to
+        allocate_slots as they are."""
         hit_ids, _ = self.get_computed_blocks(request)
+        loaded_ids, loaded = self._load_from_tiers(request, hit_ids)
+        hit_ids += loaded_ids
+        return PrefixHit(hit_ids, len(hit_ids) * self.block_size, loaded)
+
+    def _load_from_tiers(self, request: CacheRequest, hit_ids: list[int]) -> tuple[list[int], dict[str, int]]:
+        """The blocks the tiers hold past the pool's hits, loaded (their ids) and the tokens loaded per tier. The
+        pool's hits are held during the load so making room cannot evict them; the loaded blocks are released
+        suffix first, as `free` releases a request's."""
+        if self.tiers is None:
+            return [], {}
         max_hit_blocks = (len(request.all_token_ids) - 1) // self.block_size
         if len(hit_ids) >= max_hit_blocks:
-            return {}
+            return [], {}
         blocks = self.pool.blocks
         pinned = [blocks[block_id] for block_id in hit_ids]
         self.pool.touch(pinned)
@@ -160,7 +180,7 @@ class KVCacheManager:
             wanted = request.block_hashes[len(hit_ids):max_hit_blocks][: self.pool.num_free_blocks]
             found = self.tiers.find(wanted, self.block_size)
             if not found:
-                return {}
+                return [], {}
             new_blocks = self.pool.get_new_blocks(len(found))
             self.tiers.copier.write([block.block_id for block in new_blocks], [payload for _, payload, _ in found])
             loaded: dict[str, int] = {}
@@ -168,7 +188,7 @@ class KVCacheManager:
                 self.pool.cache_block(block, block_hash)
                 loaded[tier] = loaded.get(tier, 0) + self.block_size
             self.pool.free_blocks(reversed(new_blocks))
-            return loaded
+            return [block.block_id for block in new_blocks], loaded
         finally:
             self.pool.free_blocks(reversed(pinned))
 

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_cache_manager import NO_HIT, KVCacheManager
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.stopping import stop_status
@@ -116,12 +116,12 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_waiting()
-            if not request.scores_prompt:
-                for tier, tokens in self.kv_cache.load_from_tiers(request).items():
-                    request.tier_loaded_tokens[tier] = request.tier_loaded_tokens.get(tier, 0) + tokens
-            hit_blocks, num_hit_tokens = self._cached_prefix(request)
+            hit = NO_HIT if request.scores_prompt else self.kv_cache.lookup_prefix(request)  # no logits in a hit
+            for tier, tokens in hit.loaded.items():
+                request.tier_loaded_tokens[tier] = request.tier_loaded_tokens.get(tier, 0) + tokens
+            num_hit_tokens = hit.num_tokens
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv_cache.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
+            if self.kv_cache.allocate_slots(request, num_new, num_hit_tokens, hit.block_ids) is None:
                 return  # FCFS: nobody overtakes the request that does not fit
             if request is self.waiting[0]:
                 self.waiting.popleft()
