@@ -17,7 +17,7 @@ masks by sequence length, so a padded entry is never read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_hash import BlockHash
@@ -171,9 +171,10 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
         self.num_evictable_cached = 0  # hashed blocks with ref_cnt 0: free to take, still holding a prefix
         self.stats = PrefixCacheStats()
-        # Called with (block ids, hashes) of the cached blocks an allocation evicts, before it returns: their K/V
-        # is intact until the step's forward writes them (the KV tiers copy them out here).
-        self.on_evict: Callable[[list[int], list[BlockHash]], None] | None = None
+        # With KV tiers, the (block id, hash) of each cached block an allocation evicts, for the cache manager to
+        # turn into an offload order: its K/V is intact until the step's forward writes the block.
+        self.record_evictions = False
+        self.evicted: list[tuple[int, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -200,17 +201,13 @@ class BlockPool:
         if num_blocks == 0:
             return []
         blocks = self.free_queue.popleft_n(num_blocks)
-        evicted_ids: list[int] = []
-        evicted_hashes: list[BlockHash] = []
         for block in blocks:
             assert block.ref_cnt == 0
             if block.block_hash is not None:
-                evicted_ids.append(block.block_id)
-                evicted_hashes.append(block.block_hash)
+                if self.record_evictions:
+                    self.evicted.append((block.block_id, block.block_hash))
                 self._evict(block)
             block.ref_cnt = 1
-        if evicted_ids and self.on_evict is not None:
-            self.on_evict(evicted_ids, evicted_hashes)
         return blocks
 
     def _evict(self, block: KVBlock) -> None:

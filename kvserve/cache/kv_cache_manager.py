@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvserve.cache.block_hash import BlockHash, BlockHasher
-from kvserve.cache.block_pool import BlockPool, PrefixCacheStats
+from kvserve.cache.block_pool import BlockPool, KVBlock, PrefixCacheStats
+from kvserve.cache.transfers import LOAD, OFFLOAD, FromOffload, Transfer
 
 if TYPE_CHECKING:  # the bookkeeping stays torch-free; the tiers (torch) are handed in by the engine
     from kvserve.cache.kv_tiers import KVTiers
@@ -83,12 +84,36 @@ class KVCacheManager:
         self.hasher = BlockHasher(block_size, hash_algo)
         self._requests: dict[str, RequestBlocks] = {}
         self.tiers: KVTiers | None = None
+        self._transfers: list[Transfer] = []  # copies the bookkeeping decided, in order, not yet done
+        self._offloading: dict[BlockHash, FromOffload] = {}  # of those, the evicted blocks by hash
 
     def attach_tiers(self, tiers: KVTiers) -> None:
-        """Blocks evicted from the pool go to `tiers`; admissions load what they hold (lookup_prefix)."""
+        """Blocks evicted from the pool go to `tiers`; admissions load what they hold (lookup_prefix). Both are
+        ordered here and done by whoever runs the step (take_transfers)."""
         assert self.enable_prefix_caching, "the KV tiers find blocks by hash: they need prefix caching"
         self.tiers = tiers
-        self.pool.on_evict = tiers.offload
+        self.pool.record_evictions = True
+
+    def take_transfers(self) -> list[Transfer]:
+        """The block copies ordered since the last call, to be done in order before the step's forward writes
+        any block: offloads of evicted blocks (still intact until then) and loads of tier payloads."""
+        self._order_offloads()
+        transfers, self._transfers = self._transfers, []
+        self._offloading.clear()
+        return transfers
+
+    def _new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        blocks = self.pool.get_new_blocks(num_blocks)
+        self._order_offloads()
+        return blocks
+
+    def _order_offloads(self) -> None:
+        if self.pool.evicted:
+            ids, hashes = zip(*self.pool.evicted)
+            order = Transfer(OFFLOAD, list(ids), list(hashes))
+            self._transfers.append(order)
+            self._offloading.update((block_hash, FromOffload(order, i)) for i, block_hash in enumerate(hashes))
+            self.pool.evicted.clear()
 
     # ---- read-only views -------------------------------------------------------------------------------
 
@@ -178,11 +203,12 @@ class KVCacheManager:
         self.pool.touch(pinned)
         try:
             wanted = request.block_hashes[len(hit_ids):max_hit_blocks][: self.pool.num_free_blocks]
-            found = self.tiers.find(wanted, self.block_size)
+            found = self._find(wanted)
             if not found:
                 return [], {}
-            new_blocks = self.pool.get_new_blocks(len(found))
-            self.tiers.copier.write([block.block_id for block in new_blocks], [payload for _, payload, _ in found])
+            new_blocks = self._new_blocks(len(found))
+            self._transfers.append(Transfer(LOAD, [block.block_id for block in new_blocks],
+                                            [source for _, source, _ in found]))
             loaded: dict[str, int] = {}
             for block, (block_hash, _, tier) in zip(new_blocks, found):
                 self.pool.cache_block(block, block_hash)
@@ -191,6 +217,22 @@ class KVCacheManager:
             return [block.block_id for block in new_blocks], loaded
         finally:
             self.pool.free_blocks(reversed(pinned))
+
+    def _find(self, wanted: list[BlockHash]) -> list[tuple[BlockHash, object, str]]:
+        """(hash, source, tier name) of the longest run of `wanted` the tiers hold or this step evicted (a block
+        whose offload, ordered before the load, reads it for the load too)."""
+        found = []
+        for block_hash in wanted:
+            pending = self._offloading.get(block_hash)
+            if pending is not None:
+                pending.order.kept.add(pending.index)
+                found.append((block_hash, pending, self.tiers.tiers[0].name))
+                continue
+            hit = self.tiers.find([block_hash], self.block_size)
+            if not hit:
+                break
+            found += hit
+        return found
 
     def offload_cached(self, block_hashes: list[BlockHash]) -> int:
         """Moves the unreferenced cached blocks among `block_hashes` to the KV tiers and frees them in the pool
@@ -256,7 +298,7 @@ class KVCacheManager:
             self.pool.touch(blocks[block_id] for block_id in new_computed_blocks)
             block_ids.extend(new_computed_blocks)
             request_blocks.num_cached_blocks = len(new_computed_blocks)
-        new_block_ids = [block.block_id for block in self.pool.get_new_blocks(num_blocks_to_allocate)]
+        new_block_ids = [block.block_id for block in self._new_blocks(num_blocks_to_allocate)]
         block_ids.extend(new_block_ids)
 
         if self.enable_prefix_caching:

@@ -22,6 +22,7 @@ from kvserve.cache.block_copier import BlockCopier
 from kvserve.cache.block_hash import BlockHash
 from kvserve.cache.disk_tier import DiskTier
 from kvserve.cache.tier_stats import TierStats
+from kvserve.cache.transfers import OFFLOAD, FromOffload, Transfer
 
 logger = logging.getLogger("kvserve.cache")
 
@@ -77,14 +78,29 @@ class KVTiers:
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
         self.host_bytes_per_s = DEFAULT_HOST_BYTES_PER_S
 
-    def offload(self, block_ids: list[int], block_hashes: list[BlockHash]) -> None:
-        """Copies evicted cached blocks (still intact) to the first tier; what it evicts goes further down."""
-        fresh = [(i, h) for i, h in zip(block_ids, block_hashes) if not self.holds(h)]
-        if not fresh:
+    def apply(self, transfers: list[Transfer]) -> None:
+        """Does the block copies the cache manager ordered (KVCacheManager.take_transfers), in order."""
+        for transfer in transfers:
+            if transfer.kind == OFFLOAD:
+                self.offload(transfer.block_ids, transfer.items, transfer)
+            else:
+                self.copier.write(transfer.block_ids, [source.order.payloads[source.index]
+                                                       if isinstance(source, FromOffload) else source
+                                                       for source in transfer.items])
+
+    def offload(self, block_ids: list[int], block_hashes: list[BlockHash], order: Transfer | None = None) -> None:
+        """Copies evicted cached blocks (still intact) to the first tier; what it evicts goes further down. The
+        blocks a later load of the same step takes (order.kept) are read for it too, into order.payloads."""
+        kept = order.kept if order is not None else ()
+        wanted = [i for i, block_hash in enumerate(block_hashes) if i in kept or not self.holds(block_hash)]
+        if not wanted:
             return
-        payloads = self.copier.read([block_id for block_id, _ in fresh])
-        for (_, block_hash), payload in zip(fresh, payloads):
-            self._store(block_hash, payload)
+        payloads = self.copier.read([block_ids[i] for i in wanted])
+        for i, payload in zip(wanted, payloads):
+            if i in kept:
+                order.payloads[i] = payload
+            if not self.holds(block_hashes[i]):
+                self._store(block_hashes[i], payload)
 
     def _store(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         first = self.tiers[0]

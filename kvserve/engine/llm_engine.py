@@ -265,14 +265,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.offload_idle_sessions()
         scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.scheduled:
-            return []
         model_output = self._execute(scheduler_output)
         update = self.scheduler.update_from_output(scheduler_output, model_output, time.monotonic())
         return self._outputs(update)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
-        """The step's forward (on every rank), its prompt logprobs and its sampled tokens."""
+        """The step's block copies (even when nothing runs: an admission that did not fit may have loaded
+        blocks), its forward (on every rank), prompt logprobs and sampled tokens."""
+        if scheduler_output.transfers:
+            self.tiers.apply(scheduler_output.transfers)
+        if not scheduler_output.scheduled:
+            return ModelOutput()
         started = time.perf_counter()
         step = self._forward(scheduler_output.scheduled)
         self.counters.num_steps += 1

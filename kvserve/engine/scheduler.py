@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.cache.kv_cache_manager import NO_HIT, KVCacheManager
+from kvserve.cache.transfers import Transfer
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.stopping import stop_status
@@ -40,6 +41,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)  # block copies to do, in order, before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -86,6 +88,7 @@ class Scheduler:
         budget = self._schedule_running(output, budget)
         if not output.preempted:
             self._schedule_waiting(output, budget)
+        output.transfers = self.kv_cache.take_transfers()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
