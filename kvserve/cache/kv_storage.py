@@ -154,10 +154,9 @@ def calibration_caches(layers: list[LayerKVCache], num_blocks: int, channels: to
     scratch = []
     for layer in layers:
         _, block_size, num_kv_heads, _ = layer.key.shape
-        stage = layer.key_stage
+        stage = layer.key_stage  # one staging row: the calibration forward is one sequence
         fresh = _quantized_layer(layer.codec, num_blocks, block_size, num_kv_heads, layer.key.device, layer.rotation,
-                                 _staging(layer.codec, 0 if stage is None else stage.shape[0], block_size),
-                                 torch.float32 if stage is None else stage.dtype)
+                                 _staging(layer.codec, 1, block_size), torch.float32 if stage is None else stage.dtype)
         if layer.key_tensor_scale is not None:
             fresh.key_tensor_scale.copy_(layer.key_tensor_scale)
             fresh.value_tensor_scale.copy_(layer.value_tensor_scale)
