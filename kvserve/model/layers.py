@@ -24,6 +24,7 @@ blocks instead (`BlockQuantWeight`): a third to a half of bf16's bytes to walk, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -106,11 +107,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
+# oneDNN keeps the code it generates for each matmul shape in two caches, ideep's and its own, 1,024 entries each
+# by default. Every prefill of a new length is a new shape and an entry holds a few hundred KiB, so a server's
+# memory grew by ~0.7 MiB a request for the first thousand lengths (issue 33). Entries for the shapes that recur
+# (decode batches) stay; a new shape costs a few ms to generate again.
+ONEDNN_CACHE_CAPACITY = 64
+ONEDNN_CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+
+
+def bound_onednn_caches() -> None:
+    """Caps oneDNN's per-shape caches; they read these variables once, at their first use, so this runs before
+    any oneDNN call. A value the operator set wins."""
+    for name in ONEDNN_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(ONEDNN_CACHE_CAPACITY))
+
 
 @cache
 def weight_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether this torch build packs `dtype` weights for oneDNN and gets F.linear's results with them (exactly
-    for bf16, within fp32 rounding for fp32)."""
+    for bf16, within fp32 rounding for fp32). The first oneDNN call kvserve makes, so it caps oneDNN's caches."""
+    bound_onednn_caches()
     if dtype not in PACKABLE_DTYPES:
         return False
     try:
