@@ -30,11 +30,15 @@ MATMUL_SHAPES_PROBE = textwrap.dedent("""
 
     def run(row_counts):
         for num_rows in row_counts:
-            linear(torch.zeros(num_rows, 576, dtype=torch.bfloat16), weight)
+            linear(torch.zeros(num_rows, 576, dtype=dtype), weight)
 
     torch.set_num_threads(1)
-    weight_packing_available(torch.bfloat16)  # what the engine asks before it packs its weights
-    weight = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(torch.randn(1536, 576).bfloat16()))
+    # what the engine asks before it packs its weights; bf16 packing needs AVX-512 (or AVX-NE-CONVERT), fp32 not
+    dtype = torch.bfloat16 if weight_packing_available(torch.bfloat16) else torch.float32
+    if not weight_packing_available(dtype):
+        print("no oneDNN weight packing in this torch build")
+        raise SystemExit(0)
+    weight = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(torch.randn(1536, 576).to(dtype)))
     run(range(3, 131))  # fills capped caches
     before = malloc_in_use()
     run(range(131, 259))  # as many new shapes again: prefills of new lengths
@@ -52,6 +56,8 @@ def test_new_matmul_shapes_do_not_grow_memory_once_the_caches_are_full():
     result = subprocess.run([sys.executable, "-c", MATMUL_SHAPES_PROBE], capture_output=True, text=True,
                             timeout=300, env=env)
     assert result.returncode == 0, result.stderr
+    if "no oneDNN weight packing" in result.stdout:
+        pytest.skip(result.stdout.strip())
     grown_mib = int(result.stdout.split()[-1]) / 2**20
     # Uncapped, these 128 shapes held 76 MiB (1536 x 576 bf16 weight); capped, under 0.1 MiB.
     assert grown_mib < 8, f"malloc holds {grown_mib:.1f} MiB more after 128 new matmul shapes"

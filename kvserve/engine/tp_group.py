@@ -41,6 +41,7 @@ COLLECTIVE_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 120.0  # from spawning a worker to its first word (importing torch on a busy machine)
 STOP_TIMEOUT_S = 10.0
 WATCH_INTERVAL_S = 0.1
+EXIT_GRACE_S = 2.0  # how long a worker whose pipe broke is given to exit before it is called unresponsive
 DEFAULT_WORKER_TIMEOUT_S = 20.0
 WORKER_TIMEOUT_ENV = "KVSERVE_TP_WORKER_TIMEOUT_S"
 
@@ -200,8 +201,10 @@ class TensorParallelGroup:
             listener(message)
 
     def failure_message(self, worker: WorkerProcess, message=None) -> str:
+        """What to tell the user about a worker that failed: how it ended (given a moment to end, when its pipe
+        broke), its own reason if it sent one, and its last stderr lines."""
         reason = message[1] if message is not None and message[0] == FAILED else None
-        code = worker.exit_code()
+        code = worker.exit_code_within(EXIT_GRACE_S)
         if code is None:
             status = "stopped answering"
         elif code < 0:

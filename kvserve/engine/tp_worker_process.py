@@ -61,6 +61,14 @@ class WorkerProcess:
     def exit_code(self) -> int | None:
         return self.process.poll()
 
+    def exit_code_within(self, seconds: float) -> int | None:
+        """Its exit code, waiting up to `seconds` for one: a worker whose pipe just closed is usually exiting, and
+        its status (code, stderr) says more than "stopped answering"."""
+        try:
+            return self.process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return None
+
     def read_heartbeat(self) -> None:
         beats = os.read(self.heartbeat_fd, 4096)
         if beats:
