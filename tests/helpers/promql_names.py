@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULE_FILES = sorted((DEPLOY / "prometheus").glob("*.yaml"))
 DASHBOARD = DEPLOY / "grafana" / "kvserve-dashboard.json"
 # Grafana's variables, given values Prometheus parses, for checking the dashboard's expressions.

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from ports import free_port
 
 from kvserve.cli import build_parser, main
 from kvserve.server.config_file import ConfigFileError, apply_config_file
@@ -91,11 +92,6 @@ def test_bad_config_file_exits_2(tmp_path, capsys):
     assert main(["serve", "--config", str(config)]) == 2
     assert "no-such-flag" in capsys.readouterr().err
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_sigterm_drains_running_requests_and_exits_0(tiny_model_dir, tmp_path):

@@ -16,7 +16,8 @@ from kvserve.model.cpu_kernels import decode_kernel, prefill_kernel
 from kvserve.planner.kv import kv_block_bytes
 from kvserve.planner.specs import spec_from_hf_config
 
-from test_paged_attention import FAMILIES, PREFILL_CASES, Spec, check_prefill, kernels_for, reference
+from attention_reference import PREFILL_CASES, Spec, check_prefill, reference
+from kernel_families import FAMILIES, kernels_for
 
 FORMATS = pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES)
 

@@ -18,7 +18,8 @@ import httpx
 import pytest
 import yaml
 from deploy_manifests import DEPLOY, Rendered, needs_kubectl, render
-from deploy_server import free_port, running_kvserve
+from deploy_server import running_kvserve
+from ports import free_port
 from prometheus_harness import PROMETHEUS, running_prometheus
 from promql_names import dashboard_expressions, metric_names, recorded_names, rules
 

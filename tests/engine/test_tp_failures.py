@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_harness import wait_until
 from test_engine_parity import reference_greedy
-from test_server_cli import free_port
+from ports import free_port
 from test_tensor_parallel import COMMON, assert_gone, start_tp_server, wait_healthy, worker_pids
 
 from kvserve import LLM, SamplingParams

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 import yaml
-from deploy_server import free_port, stop, wait_ready
+from deploy_server import stop, wait_ready
+from ports import free_port
 from promql_names import RULE_FILES
 
 PROMETHEUS = shutil.which("prometheus")

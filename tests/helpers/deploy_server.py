@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,12 +11,8 @@ import time
 from collections.abc import Iterator
 
 import httpx
+from ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_ready(url: str, process: subprocess.Popen, log_path: str, timeout_s: float = 120.0) -> None:

@@ -168,7 +168,7 @@ def test_gateway_imports_nothing_of_the_engine():
 def test_the_command_serves_with_a_key_from_the_same_store_and_stops_cleanly(backend, tmp_path):
     import signal
 
-    from gateway_harness import free_port
+    from ports import free_port
     from server_harness import wait_until
 
     state = ["--state-path", str(tmp_path / "gw.sqlite3")]

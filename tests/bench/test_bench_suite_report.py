@@ -12,7 +12,7 @@ from kvserve.bench.records import RequestRecord
 from kvserve.bench.runner import BenchResult
 from kvserve.bench.stats import summarize
 
-SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
 
 
 def load_suite():

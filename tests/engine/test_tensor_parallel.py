@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_harness import wait_until
 from test_engine_parity import MAX_NEW_TOKENS, PROMPT_LENGTHS, make_prompts, reference_greedy
-from test_server_cli import free_port
+from ports import free_port
 from tiny_models import save_model
 
 from kvserve import LLM, SamplingParams

@@ -4,13 +4,13 @@ by uvicorn in a thread (as server_harness serves kvserve backends)."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from ports import free_port
 import pytest
 import uvicorn
 
@@ -24,11 +24,6 @@ REDIS_CLI = shutil.which("redis-cli")
 needs_redis = pytest.mark.skipif(REDIS_SERVER is None or REDIS_CLI is None,
                                  reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
