@@ -309,6 +309,64 @@ void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
     return row;
   });
 }
+
+// Query rows from here on read a bf16 cache's values two tokens per vdpbf16ps, their probabilities rounded to bf16
+// (as flash attention rounds them on GPUs), instead of widening every value row to fp32 for each pair of rows:
+// worth it for the many rows of a shared prefix read for a whole group, where the widening dominates.
+constexpr int64_t kPairedValuesMinRows = 16;
+
+// Values pass over a bf16 cache: each pair of value rows (tokens t, t + 1) is interleaved once into 16-bit pairs
+// per channel (unpacklo/unpackhi per 128-bit lane, so each vector's lanes hold a fixed permutation of 16
+// channels), then every query row accumulates pairs x its probability pair. acc [group x kHeadDim] is written in
+// channel order.
+template <int kHeadDim>
+void values_bf16_pairs(const at::BFloat16* v_cache, const std::vector<int64_t>& offsets, const float* probs,
+                       int64_t group, int64_t num_tokens, float* acc, std::vector<float>& scratch) {
+  constexpr int kVectors = kHeadDim / 16;  // fp32 accumulators (and interleaved pair vectors) per row
+  const int64_t num_pairs = (num_tokens + 1) / 2;
+  // Interleaved value pairs [num_pairs x kVectors] of 64 bytes, then each row's probability pairs [group x num_pairs].
+  scratch.resize(num_pairs * kVectors * 16 + group * num_pairs + 16);
+  float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  __m512i* pairs = reinterpret_cast<__m512i*>(aligned);
+  uint32_t* prob_pairs = reinterpret_cast<uint32_t*>(aligned + num_pairs * kVectors * 16);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const at::BFloat16* first = v_cache + offsets[2 * p];
+    const bool odd_end = 2 * p + 1 == num_tokens;
+    for (int c = 0; c < kHeadDim / 32; ++c) {
+      const __m512i a = _mm512_loadu_si512(first + 32 * c);
+      const __m512i b = odd_end ? zero : _mm512_loadu_si512(v_cache + offsets[2 * p + 1] + 32 * c);
+      pairs[p * kVectors + 2 * c] = _mm512_unpacklo_epi16(a, b);
+      pairs[p * kVectors + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float* row = probs + g * num_tokens;
+    uint16_t* out = reinterpret_cast<uint16_t*>(prob_pairs + g * num_pairs);
+    int64_t t = 0;
+    for (; t + 32 <= num_tokens; t += 32)
+      _mm512_storeu_si512(out + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + t + 16), _mm512_loadu_ps(row + t)));
+    for (; t < 2 * num_pairs; ++t) out[t] = t < num_tokens ? at::BFloat16(row[t]).x : 0;
+  }
+  alignas(64) float lanes[kHeadDim];
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 sum[kVectors];
+    for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_setzero_ps();
+    const uint32_t* pp = prob_pairs + g * num_pairs;
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[p]));
+      for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_dpbf16_ps(sum[c], (__m512bh)pairs[p * kVectors + c], weight);
+    }
+    for (int c = 0; c < kVectors; ++c) _mm512_store_ps(lanes + 16 * c, sum[c]);
+    // Vector 2c (2c + 1) lane j holds channel 32c + 8 (j / 4) + j % 4 (+ 4): unpack's order, undone.
+    float* a = acc + g * kHeadDim;
+    for (int c = 0; c < kHeadDim / 32; ++c)
+      for (int j = 0; j < 16; ++j) {
+        a[32 * c + 8 * (j / 4) + j % 4] = lanes[32 * c + j];
+        a[32 * c + 8 * (j / 4) + 4 + j % 4] = lanes[32 * c + 16 + j];
+      }
+  }
+}
 #endif
 
 #if defined(__AVX512VNNI__)
@@ -908,6 +966,10 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
           visit(t, offsets[t]);
         }
       };
+      if constexpr (kBf16Scores) {
+        if (group >= kPairedValuesMinRows)
+          return values_bf16_pairs<kHeadDim>(v_cache, offsets, scores.data(), group, num_tokens, acc, row);
+      }
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup)
         values_avx512<scalar_t, kHeadDim>(v_cache, scores.data() + g0 * num_tokens, std::min<int64_t>(kMaxGroup, group - g0),
                                           num_tokens, acc + g0 * kHeadDim, for_each_prefetched);
