@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import kvserve.model.attention as attention_module
-from kvserve.cache.kv_quant import decode_scale_byte, encode_scale_byte, rotation_matrix
+from kvserve.cache.storage.kv_quant import decode_scale_byte, encode_scale_byte, rotation_matrix
 from kvserve.engine import eval_kv_cli
 from kvserve.engine.kv_eval import compare, stdlib_text
 

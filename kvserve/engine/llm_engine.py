@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.cache.block_copier import BlockCopier
+from kvserve.cache.storage.block_copier import BlockCopier
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.tier_stats import TierStats
 from kvserve.config import EngineConfig

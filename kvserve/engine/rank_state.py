@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache, allocate_kv_storage, set_fp8_scales
+from kvserve.cache.storage.kv_storage import LayerKVCache, allocate_kv_storage, set_fp8_scales
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_calibration import calibrate_key_offsets, calibration_text
 from kvserve.engine.memory_profile import decode_gather_tokens

@@ -3,7 +3,7 @@
 The disk tier's fingerprint names everything a stored block depends on: the weights' identity (each weight
 file's name, size and modification time, and config.json's bytes), the compute dtype, the KV format, its
 fp8 scales and key offsets, the block size and the per-block tensor shapes. A block written under any other combination is
-never read back (disk_tier.py).
+never read back (cache/storage/disk_tier.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvserve.cache.block_copier import BlockCopier
-from kvserve.cache.disk_tier import LAYOUT_VERSION, DiskTier
-from kvserve.cache.kv_storage import LayerKVCache
-from kvserve.cache.kv_tiers import HostTier, KVTiers
+from kvserve.cache.storage.block_copier import BlockCopier
+from kvserve.cache.storage.disk_tier import LAYOUT_VERSION, DiskTier
+from kvserve.cache.storage.host_tier import HostTier
+from kvserve.cache.storage.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_tiers import KVTiers
+from kvserve.cache.storage.tier import Tier
 from kvserve.config import CacheConfig
 from kvserve.model.loader import LoadedModel
 
@@ -33,12 +35,14 @@ def build_tiers(cache: CacheConfig, loaded: LoadedModel, layers: list[LayerKVCac
     if cache.kv_offloading_size is None and cache.kv_disk_path is None:
         return None
     copier = copier or BlockCopier(layers)
-    host = HostTier(int(cache.kv_offloading_size * GIB)) if cache.kv_offloading_size is not None else None
-    disk = None
+    tiers_top_first: list[Tier] = []
+    if cache.kv_offloading_size is not None:
+        tiers_top_first.append(HostTier(int(cache.kv_offloading_size * GIB)))
     if cache.kv_disk_path is not None:
-        disk = DiskTier(cache.kv_disk_path, int(cache.kv_disk_size * GIB),
-                        fingerprint(loaded, layers, kv_format, cache.block_size, copier.shards), copier.payload_bytes)
-    tiers = KVTiers(copier, host, disk)
+        tiers_top_first.append(DiskTier(cache.kv_disk_path, int(cache.kv_disk_size * GIB),
+                                        fingerprint(loaded, layers, kv_format, cache.block_size, copier.shards),
+                                        copier.payload_bytes))
+    tiers = KVTiers(copier, tiers_top_first)
     logger.info("KV tiers: %s (%d B per block)", ", ".join(_describe(t) for t in tiers.tiers), copier.payload_bytes)
     return tiers
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_storage import LayerKVCache
 from kvserve.model.cpu_isa import CpuIsa, selected_isa
 
 logger = logging.getLogger("kvserve.model")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_storage import LayerKVCache
 
 
 @dataclass(slots=True)

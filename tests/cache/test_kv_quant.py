@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvserve.cache.kv_quant import QUANTIZED_KV_DTYPES, codec_for, decode_scale_byte, rotation_matrix
-from kvserve.cache.kv_storage import allocate_kv_storage
+from kvserve.cache.storage.kv_quant import QUANTIZED_KV_DTYPES, codec_for, decode_scale_byte, rotation_matrix
+from kvserve.cache.storage.kv_storage import allocate_kv_storage
 from kvserve.cli import main as kvserve_main
 from kvserve.engine.llm import LLM
 from kvserve.engine.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ def test_fp8_saturates_instead_of_overflowing_and_zero_stays_zero():
 
 
 def test_int8_scale_byte_rounds_up_by_at_most_an_eighth():
-    from kvserve.cache.kv_quant import decode_scale_byte, encode_scale_byte
+    from kvserve.cache.storage.kv_quant import decode_scale_byte, encode_scale_byte
 
     scales = torch.logspace(-5.5, 3, 2000, base=10)
     decoded = decode_scale_byte(encode_scale_byte(scales))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.cache.disk_tier import LAYOUT_VERSION, MAGIC, SUFFIX, encode_block_file
+from kvserve.cache.storage.disk_tier import LAYOUT_VERSION, MAGIC, SUFFIX, encode_block_file
 from kvserve.engine.llm import LLM
 from kvserve.engine.sampling_params import SamplingParams
 
@@ -107,7 +107,7 @@ def test_bad_tier_files_are_ignored_and_recomputed(model, never_evicting, tmp_pa
     turns, expected = never_evicting
     first = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
     first_turns(first)
-    disk = first.engine.tiers.disk
+    disk = first.engine.tiers.tier("disk")
     first.close()
     bad = _write_files(tmp_path, disk.payload_bytes, disk.fingerprint)
     # A real block whose payload got corrupted after it was written: its header still matches.
@@ -117,7 +117,7 @@ def test_bad_tier_files_are_ignored_and_recomputed(model, never_evicting, tmp_pa
     victim.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="kvserve.cache"):
         restarted = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
-        assert restarted.engine.tiers.disk.ignored_files == len(bad)
+        assert restarted.engine.tiers.tier("disk").ignored_files == len(bad)
         resumed = second_turns(restarted, turns)
     assert tokens(resumed) == expected  # never wrong K/V: the corrupt block was recomputed
     assert any("corrupt" in record.message for record in caplog.records)
@@ -137,7 +137,7 @@ def test_a_full_disk_degrades_to_recompute(model, never_evicting, tmp_path, capl
         with caplog.at_level(logging.WARNING, logger="kvserve.cache"):
             llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(mount_point), **COMMON)
             first_turns(llm)
-            llm.engine.tiers.disk.flush()
+            llm.engine.tiers.tier("disk").flush()
             assert tokens(second_turns(llm, turns)) == expected
             llm.close()
         assert any("cannot write" in record.message for record in caplog.records)
@@ -152,8 +152,8 @@ def test_tier_size_limits_hold(model, tmp_path):
     llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_offloading_size=3 * block.payload_bytes / gib,
               kv_disk_path=str(tmp_path), kv_disk_size=5.5 * (block.payload_bytes + 300) / gib, **COMMON)
     first_turns(llm)
-    llm.engine.tiers.disk.flush()
-    host, disk = llm.engine.tiers.host, llm.engine.tiers.disk
+    llm.engine.tiers.tier("disk").flush()
+    host, disk = llm.engine.tiers.tier("host"), llm.engine.tiers.tier("disk")
     assert 0 < host.used_bytes <= 3 * block.payload_bytes and len(host.entries) <= 3
     on_disk = sum(f.stat().st_size for f in tmp_path.glob(f"*{SUFFIX}"))
     assert 0 < on_disk == disk.used_bytes <= disk.capacity_bytes

@@ -3,7 +3,7 @@ block tables, in fp32."""
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache, allocate_kv_storage
+from kvserve.cache.storage.kv_storage import LayerKVCache, allocate_kv_storage
 
 
 class Spec:

@@ -6,7 +6,7 @@ import torch
 from attention_reference import PREFILL_CASES, Spec, check_prefill, reference
 from kernel_families import FAMILIES, kernels_for
 
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_storage import LayerKVCache
 from kvserve.model.cpu_kernels import prefill_kernel
 from kvserve.model.paged_attention import DecodeGroup, _decode_portable
 

@@ -6,8 +6,8 @@ import torch
 from attention_reference import Spec, quantized_cache, reference
 from kernel_families import FAMILIES, kernels_for
 
-from kvserve.cache.kv_quant import QUANTIZED_KV_DTYPES
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_quant import QUANTIZED_KV_DTYPES
+from kvserve.cache.storage.kv_storage import LayerKVCache
 from kvserve.engine import model_runner
 from kvserve.engine.llm import LLM
 from kvserve.engine.sampling_params import SamplingParams

@@ -1,9 +1,9 @@
-"""KV tiers below the pool: host memory, then disk, each LRU, keyed by the block hash chain.
+"""KV tiers below the pool, top first (host memory, then disk), each LRU, keyed by the block hash chain.
 
-A cached block evicted from the pool goes to the host tier (`--kv-offloading-size` GiB) as its payload
-(block_copier.py: the pool's own bytes, quantized formats included); what the host tier evicts goes to the disk
-tier (`--kv-disk-path`, `--kv-disk-size` GiB). At admission the manager continues a request's pool hit chain
-into the tiers, block by block, and loads the hits back into pool blocks, where they are ordinary cached blocks.
+A cached block evicted from the pool goes to the first tier as its payload (block_copier.py: the pool's own
+bytes, quantized formats included); what a tier evicts goes to the one below it. At admission the manager
+continues a request's pool hit chain into the tiers, block by block, and loads the hits back into pool blocks,
+where they are ordinary cached blocks. The tiers are reached through the Tier protocol (tier.py) alone.
 
 On CPU the pool already is host memory, so offloading to the host tier is a memcpy of the evicted blocks done
 in the step that evicts them (before the forward overwrites them), batched per allocation; disk writes run on
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
-from kvserve.cache.block_copier import BlockCopier
 from kvserve.cache.block_hash import BlockHash
-from kvserve.cache.disk_tier import DiskTier
+from kvserve.cache.storage.block_copier import BlockCopier
+from kvserve.cache.storage.tier import Tier
 from kvserve.cache.tier_stats import TierStats
 from kvserve.cache.transfers import OFFLOAD, FromOffload, Transfer
 
@@ -28,55 +28,19 @@ logger = logging.getLogger("kvserve.cache")
 
 # What a prefill costs before the engine has measured one (tokens/s); the engine updates it (see note_prefill).
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
-DEFAULT_HOST_BYTES_PER_S = 5e9
-
-
-class HostTier:
-    """Payloads in host memory up to `capacity_bytes`, least recently used first out (to `spill`)."""
-
-    name = "host"
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.used_bytes = 0
-        self.entries: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
-        self.stats = TierStats()
-
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self.entries
-
-    def put(self, block_hash: BlockHash, payload: torch.Tensor) -> list[tuple[BlockHash, torch.Tensor]]:
-        """Stores a payload; returns what it evicted to make room (for the tier below)."""
-        if block_hash in self.entries:
-            self.entries.move_to_end(block_hash)
-            return []
-        self.entries[block_hash] = payload
-        self.used_bytes += payload.numel()
-        evicted = []
-        while self.used_bytes > self.capacity_bytes and self.entries:
-            old_hash, old = self.entries.popitem(last=False)
-            self.used_bytes -= old.numel()
-            evicted.append((old_hash, old))
-        return evicted
-
-    def get(self, block_hash: BlockHash) -> torch.Tensor | None:
-        payload = self.entries.get(block_hash)
-        if payload is not None:
-            self.entries.move_to_end(block_hash)
-        return payload
 
 
 class KVTiers:
     """The tiers of one pool: offload on eviction, lookup and load at admission."""
 
-    def __init__(self, copier: BlockCopier, host: HostTier | None, disk: DiskTier | None) -> None:
-        assert host is not None or disk is not None
+    def __init__(self, copier: BlockCopier, tiers: Sequence[Tier]) -> None:
+        assert tiers, "KVTiers needs a tier"
         self.copier = copier
-        self.host = host
-        self.disk = disk
-        self.tiers = [tier for tier in (host, disk) if tier is not None]  # top first
+        self.tiers = list(tiers)  # top first
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
-        self.host_bytes_per_s = DEFAULT_HOST_BYTES_PER_S
+
+    def tier(self, name: str) -> Tier | None:
+        return next((tier for tier in self.tiers if tier.name == name), None)
 
     def apply(self, transfers: list[Transfer]) -> None:
         """Does the block copies the cache manager ordered (KVCacheManager.take_transfers), in order."""
@@ -92,34 +56,38 @@ class KVTiers:
         """Copies evicted cached blocks (still intact) to the first tier; what it evicts goes further down. The
         blocks a later load of the same step takes (order.kept) are read for it too, into order.payloads."""
         kept = order.kept if order is not None else ()
-        wanted = [i for i, block_hash in enumerate(block_hashes) if i in kept or not self.holds(block_hash)]
+        held = self._held(block_hashes)
+        wanted = [i for i, is_held in enumerate(held) if i in kept or not is_held]
         if not wanted:
             return
         payloads = self.copier.read([block_ids[i] for i in wanted])
+        new_hashes, new_payloads = [], []
         for i, payload in zip(wanted, payloads):
             if i in kept:
                 order.payloads[i] = payload
-            if not self.holds(block_hashes[i]):
-                self._store(block_hashes[i], payload)
+            if not held[i]:
+                new_hashes.append(block_hashes[i])
+                new_payloads.append(payload)
+        self._store(new_hashes, new_payloads)
 
-    def _store(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
-        first = self.tiers[0]
-        first.stats.offloaded_blocks += 1
-        first.stats.offloaded_bytes += payload.numel()
-        if first is self.disk:
-            self.disk.put(block_hash, payload)
-            return
-        for old_hash, old in self.host.put(block_hash, payload):
-            if self.disk is not None:
-                self.disk.stats.offloaded_blocks += 1
-                self.disk.stats.offloaded_bytes += old.numel()
-                self.disk.put(old_hash, old)
+    def _store(self, hashes: list[BlockHash], payloads: list[torch.Tensor]) -> None:
+        """Puts the blocks in the first tier, and what each tier evicts in the one below."""
+        for tier in self.tiers:
+            if not hashes:
+                return
+            tier.stats.offloaded_blocks += len(hashes)
+            tier.stats.offloaded_bytes += sum(payload.numel() for payload in payloads)
+            evicted = tier.put(hashes, payloads)
+            hashes, payloads = [block_hash for block_hash, _ in evicted], [payload for _, payload in evicted]
+
+    def _held(self, block_hashes: list[BlockHash]) -> list[bool]:
+        held = [False] * len(block_hashes)
+        for tier in self.tiers:
+            held = [before or now for before, now in zip(held, tier.contains(block_hashes))]
+        return held
 
     def snapshot(self) -> dict[str, TierStats]:
         return {tier.name: tier.stats.snapshot(tier.used_bytes, tier.capacity_bytes) for tier in self.tiers}
-
-    def holds(self, block_hash: BlockHash) -> bool:
-        return any(block_hash in tier for tier in self.tiers)
 
     def find(self, block_hashes: list[BlockHash], num_tokens_per_block: int
              ) -> list[tuple[BlockHash, torch.Tensor, str]]:
@@ -136,13 +104,13 @@ class KVTiers:
     def _find_one(self, block_hash: BlockHash, num_tokens: int) -> tuple[torch.Tensor, str] | None:
         for tier in self.tiers:
             tier.stats.queries += 1
-            if block_hash not in tier:
+            if not tier.contains((block_hash,))[0]:
                 continue
             if not self._worth_loading(tier, num_tokens):
                 tier.stats.skipped_slower_than_recompute += 1
                 return None
             started = time.perf_counter()
-            payload = tier.get(block_hash)
+            payload = tier.get((block_hash,))[0]
             if payload is None:  # a disk file that turned out corrupt or vanished: recompute
                 continue
             tier.stats.hits += 1
@@ -151,9 +119,8 @@ class KVTiers:
             return payload, tier.name
         return None
 
-    def _worth_loading(self, tier, num_tokens: int) -> bool:
-        bytes_per_s = self.host_bytes_per_s if tier is self.host else tier.read_bytes_per_s
-        load_s = self.copier.payload_bytes / bytes_per_s
+    def _worth_loading(self, tier: Tier, num_tokens: int) -> bool:
+        load_s = self.copier.payload_bytes / tier.read_bytes_per_s
         return load_s <= num_tokens / self.prefill_tokens_per_s
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -162,13 +129,13 @@ class KVTiers:
             self.prefill_tokens_per_s = 0.8 * self.prefill_tokens_per_s + 0.2 * (num_tokens / seconds)
 
     def close(self, pool_block_ids: list[int], pool_block_hashes: list[BlockHash]) -> None:
-        """At shutdown, with a disk tier: what the pool and the host tier still hold goes to disk too (the
-        blocks a restarted server will be asked for are mostly the recent ones), then the writer drains."""
-        if self.disk is None:
-            return
-        for block_hash, payload in zip(pool_block_hashes, self.copier.read(pool_block_ids)):
-            self.disk.put(block_hash, payload)
-        if self.host is not None:
-            for block_hash, payload in self.host.entries.items():
-                self.disk.put(block_hash, payload)
-        self.disk.close()
+        """At shutdown, with a persistent (disk) tier: what the pool and the tiers above still hold goes to it too
+        (the blocks a restarted server will be asked for are mostly the recent ones); then every tier closes."""
+        bottom = self.tiers[-1]
+        if bottom.persistent:
+            bottom.put(pool_block_hashes, self.copier.read(pool_block_ids))
+            for tier in self.tiers[:-1]:
+                held = tier.hashes()
+                bottom.put(held, tier.get(held))
+        for tier in self.tiers:
+            tier.close()

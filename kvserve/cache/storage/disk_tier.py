@@ -22,12 +22,14 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import xxhash
 
 from kvserve.cache.block_hash import BlockHash
+from kvserve.cache.storage.tier import Evicted
 from kvserve.cache.tier_stats import TierStats
 
 logger = logging.getLogger("kvserve.cache")
@@ -62,6 +64,7 @@ def read_header(handle) -> dict | None:
 
 class DiskTier:
     name = "disk"
+    persistent = True
 
     def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str, payload_bytes: int) -> None:
         self.path = Path(path)
@@ -124,18 +127,28 @@ class DiskTier:
 
     # ---- the tier ------------------------------------------------------------------------------------------
 
-    def __contains__(self, block_hash: BlockHash) -> bool:
+    def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
         with self._lock:
-            return block_hash in self.index or block_hash in self._pending
+            return [block_hash in self.index or block_hash in self._pending for block_hash in hashes]
 
-    def put(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
+    def put(self, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> Evicted:
+        """Queues the blocks for the writer thread; what the disk must evict to make room is deleted there."""
+        for block_hash, payload in zip(hashes, payloads):
+            with self._lock:
+                if block_hash in self.index or block_hash in self._pending:
+                    continue
+                self._pending[block_hash] = payload
+            self._queue.put(block_hash)
+        return []
+
+    def get(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        return [self._get_one(block_hash) for block_hash in hashes]
+
+    def hashes(self) -> list[BlockHash]:
         with self._lock:
-            if block_hash in self.index or block_hash in self._pending:
-                return
-            self._pending[block_hash] = payload
-        self._queue.put(block_hash)
+            return [*self.index, *(block_hash for block_hash in self._pending if block_hash not in self.index)]
 
-    def get(self, block_hash: BlockHash) -> torch.Tensor | None:
+    def _get_one(self, block_hash: BlockHash) -> torch.Tensor | None:
         with self._lock:
             pending = self._pending.get(block_hash)
             if pending is not None:
@@ -209,15 +222,17 @@ class DiskTier:
             self.used_bytes -= size
             self._file(old_hash).unlink(missing_ok=True)
 
-    def flush(self) -> None:
-        """Waits until every queued block is on disk (tests, shutdown)."""
+    def flush(self, deadline: float | None = None) -> bool:
+        """Waits until every queued block is on disk, or until `deadline` (time.monotonic()); True when it is."""
         while True:
             with self._lock:
                 if not self._pending:
-                    return
+                    return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             time.sleep(0.005)
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, deadline: float | None = None) -> None:
+        self.flush(deadline)
         self._queue.put(None)
         self._writer.join(timeout=10)
