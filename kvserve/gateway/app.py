@@ -176,7 +176,7 @@ async def _first_answer(gateway: Gateway, path: str) -> Response:
         if not backend.available():
             continue
         try:
-            async with gateway.http.get(backend.request_url + path, headers=backend.headers) as response:
+            async with gateway.http.get(backend.url + path, headers=backend.headers) as response:
                 content = await response.read()
         except aiohttp.ClientError:
             continue

@@ -36,7 +36,9 @@ class BackendLoad:
 
 @dataclass(slots=True)
 class Backend:
-    url: str  # as configured, the backend's identity in the store and the metrics
+    # Given as configured; kept without its credentials (backend_auth), which is where requests go and the
+    # backend's identity in the store: a password in a --backend URL is sent, never stored in Redis or SQLite.
+    url: str
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     api_key: InitVar[str | None] = None  # --backend-api-key
     healthy: bool = True
@@ -46,12 +48,11 @@ class Backend:
     eviction_marks: deque = field(default_factory=lambda: deque(maxlen=EVICTION_MARKS))
     cache_horizon: float = 0.0  # the latest horizon reported for it (entries at or before it are gone)
     shown_url: str = field(init=False)  # the URL with its password masked: what logs, metrics and answers show
-    request_url: str = field(init=False)  # the URL without credentials, where requests go (backend_auth)
     headers: dict[str, str] = field(init=False)  # what authenticates every request to it
 
     def __post_init__(self, api_key: str | None) -> None:
         self.shown_url = redacted_url(self.url)
-        self.request_url, self.headers = backend_credentials(self.url, api_key)
+        self.url, self.headers = backend_credentials(self.url, api_key)
 
     def available(self) -> bool:
         return self.healthy and self.breaker.allows_request()

@@ -82,8 +82,8 @@ def eviction_horizon(marks, evictions: float, capacity_blocks: float) -> float |
 async def check_backend(http: aiohttp.ClientSession, backend: Backend, timeout: aiohttp.ClientTimeout,
                         on_cache_lost: CacheLost | None = None) -> None:
     try:
-        health_status, _ = await _get(http, f"{backend.request_url}/health", backend.headers, timeout)
-        metrics_status, metrics_text = await _get(http, f"{backend.request_url}/metrics", backend.headers, timeout)
+        health_status, _ = await _get(http, f"{backend.url}/health", backend.headers, timeout)
+        metrics_status, metrics_text = await _get(http, f"{backend.url}/metrics", backend.headers, timeout)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # a total timeout is a bare asyncio.TimeoutError
         _set_health(backend, False, f"{type(exc).__name__}")
         return

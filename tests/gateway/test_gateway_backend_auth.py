@@ -99,3 +99,25 @@ def test_the_api_key_alone_goes_to_every_backend_and_credentials_alone_to_theirs
     assert backend_credentials("http://10.0.0.5:8000", None) == ("http://10.0.0.5:8000", {})
     assert backend_credentials("https://ops:pw@host", None) == ("https://host", {"Authorization": basic("ops", "pw")})
     assert backend_credentials("http://token@host:1", "k") == ("http://host:1", {"Authorization": basic("token", "")})
+
+
+def test_a_backend_urls_password_is_sent_but_never_stored(tmp_path):
+    from gateway_harness import gateway_settings
+
+    backend = GuardedBackend(basic("operator", "s3cret"))
+    url = backend.url.replace("http://", "http://operator:s3cret@")
+    state = tmp_path / "state"
+    state.mkdir()
+    gateway = start_gateway(gateway_settings([url], state_path=str(state / "gw.sqlite3")))
+    try:
+        body = {"model": "stub", "prompt": "a prompt long enough to record a prefix block " * 8, "max_tokens": 1}
+        with_session = httpx.post(f"{gateway.base_url}/completions", json={**body, "user": "alice"}, timeout=30)
+        without = httpx.post(f"{gateway.base_url}/completions", json=body, timeout=30)
+    finally:
+        gateway.stop()  # its background store writes are drained before it stops
+        backend.stop()
+    assert with_session.status_code == without.status_code == 200
+    assert with_session.headers["x-kvserve-backend"] == url.replace("s3cret", "***")
+    stored = b"".join(path.read_bytes() for path in state.iterdir())  # the SQLite file, its WAL and index
+    assert backend.url.encode() in stored  # the session and the prefix entries name the backend...
+    assert b"s3cret" not in stored  # ...without its password
