@@ -87,6 +87,25 @@ def test_disk_tier_survives_a_restart(model, never_evicting, tmp_path):
     assert loaded >= 0.9 * history_tokens
 
 
+def test_shutdown_saving_stops_at_its_timeout(model, tmp_path, caplog):
+    def saved_at_close(timeout: float) -> tuple[int, int]:
+        folder = tmp_path / f"timeout-{timeout}"
+        llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(folder), kv_disk_save_timeout=timeout,
+                  **COMMON)
+        first_turns(llm)
+        llm.engine.tiers.tier("disk").flush()
+        before = len(list(folder.glob(f"*{SUFFIX}")))  # what evictions wrote while serving
+        llm.close()
+        return before, len(list(folder.glob(f"*{SUFFIX}")))
+
+    with caplog.at_level(logging.WARNING, logger="kvserve.cache"):
+        before, after = saved_at_close(0)
+    assert after == before  # the pool's cached blocks were not saved: the deadline had passed
+    assert any("deadline" in record.message for record in caplog.records)
+    before, after = saved_at_close(30)
+    assert after > before
+
+
 def _write_files(folder: Path, payload_bytes: int, fingerprint: str) -> dict[str, Path]:
     good = encode_block_file(fingerprint, bytes(payload_bytes))
     files = {

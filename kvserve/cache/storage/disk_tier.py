@@ -233,6 +233,10 @@ class DiskTier:
             time.sleep(0.005)
 
     def close(self, deadline: float | None = None) -> None:
-        self.flush(deadline)
+        """Writes what is queued until `deadline`; what is left then is dropped (the writer finishes the one
+        file it is on, so no file is left half-written under its name)."""
+        if not self.flush(deadline):
+            with self._lock:
+                self._pending.clear()
         self._queue.put(None)
         self._writer.join(timeout=10)
