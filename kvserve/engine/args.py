@@ -15,6 +15,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="weights and activations dtype (auto: the checkpoint's; bf16 for GGUF)")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--disable-cascade-attn", action="store_true",
+                       help="decodes that share cached prefix blocks read them each on their own, instead of once "
+                            "per step for the group (CPU kernels)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length limit (default: the model's, capped to what the KV pool holds)")
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -54,6 +57,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        disable_cascade_attn=args.disable_cascade_attn,
         cache=CacheConfig(
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
