@@ -299,8 +299,8 @@ class AsyncLLMEngine:
             self.state = EngineState.DRAINING
 
     async def shutdown(self, grace_period_s: float = 0.0) -> None:
-        """Stop admitting, let in-flight requests finish for up to `grace_period_s`, then abort the rest and stop;
-        then close the engine (stop, then close)."""
+        """`stop`, then `close` (whatever stop did). The server calls the two itself, closing its request log in
+        between."""
         try:
             await self.stop(grace_period_s)
         finally:
