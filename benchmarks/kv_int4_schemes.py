@@ -20,7 +20,6 @@ Bytes are per token and KV head (64-dim heads), K and V together, scales include
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -28,16 +29,20 @@ logger = logging.getLogger("kvserve.cache")
 
 # What a prefill costs before the engine has measured one (tokens/s); the engine updates it (see note_prefill).
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
+# Shutdown saves the pool to a persistent tier in batches of at most this many payload bytes, each written
+# before the next is read: what saving holds in memory does not grow with the pool.
+SAVE_BATCH_BYTES = 64 * 2**20
 
 
 class KVTiers:
-    """The tiers of one pool: offload on eviction, lookup and load at admission."""
+    """The tiers of one pool: offload on eviction, lookup and load at admission, saving at shutdown."""
 
     def __init__(self, copier: BlockCopier, tiers: Sequence[Tier]) -> None:
         assert tiers, "KVTiers needs a tier"
         self.copier = copier
         self.tiers = list(tiers)  # top first
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
+        self.save_batch_bytes = SAVE_BATCH_BYTES
 
     def tier(self, name: str) -> Tier | None:
         return next((tier for tier in self.tiers if tier.name == name), None)
@@ -128,14 +133,43 @@ class KVTiers:
         if num_tokens >= 64 and seconds > 0:
             self.prefill_tokens_per_s = 0.8 * self.prefill_tokens_per_s + 0.2 * (num_tokens / seconds)
 
-    def close(self, pool_block_ids: list[int], pool_block_hashes: list[BlockHash]) -> None:
-        """At shutdown, with a persistent (disk) tier: what the pool and the tiers above still hold goes to it too
-        (the blocks a restarted server will be asked for are mostly the recent ones); then every tier closes."""
-        bottom = self.tiers[-1]
-        if bottom.persistent:
-            bottom.put(pool_block_hashes, self.copier.read(pool_block_ids))
-            for tier in self.tiers[:-1]:
-                held = tier.hashes()
-                bottom.put(held, tier.get(held))
-        for tier in self.tiers:
-            tier.close()
+    def close(self, pool_block_ids: list[int], pool_block_hashes: list[BlockHash],
+              deadline: float | None = None) -> None:
+        """At shutdown, with a persistent (disk) tier: what the pool and the tiers above still hold is saved
+        into it (the blocks a restarted server will be asked for are mostly the recent ones), in bounded
+        batches, until `deadline` (time.monotonic()); then every tier is closed, whatever happened."""
+        try:
+            bottom = self.tiers[-1]
+            if bottom.persistent:
+                self._save(bottom, pool_block_ids, pool_block_hashes, deadline)
+        finally:
+            for tier in self.tiers:
+                tier.close(deadline)
+
+    def _save(self, into: Tier, pool_block_ids: list[int], pool_block_hashes: list[BlockHash],
+              deadline: float | None) -> None:
+        step = max(1, self.save_batch_bytes // self.copier.payload_bytes)
+        batches = [(pool_block_hashes[start:start + step],
+                    partial(self.copier.read, pool_block_ids[start:start + step]))
+                   for start in range(0, len(pool_block_ids), step)]
+        for tier in self.tiers[:self.tiers.index(into)]:
+            held = tier.hashes()  # least recent first, as the pool's blocks go before them
+            batches += [(held[start:start + step], partial(tier.get, held[start:start + step]))
+                        for start in range(0, len(held), step)]
+        handed = 0
+        for hashes, read in batches:
+            if _past(deadline) or not into.flush(deadline):  # the last batch is stored before the next is read
+                break
+            present = [(block_hash, payload) for block_hash, payload in zip(hashes, read()) if payload is not None]
+            into.put([block_hash for block_hash, _ in present], [payload for _, payload in present])
+            handed += len(hashes)
+        total = sum(len(hashes) for hashes, _ in batches)
+        if into.flush(deadline) and handed == total:
+            return
+        logger.warning("KV tiers: saving to the %s tier stopped at its deadline (--kv-disk-save-timeout): %d of %d "
+                       "cached blocks handed over, what was still queued dropped; the rest will be recomputed",
+                       into.name, handed, total)
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
