@@ -9,6 +9,7 @@ pip hides a build's output unless it fails, so progress goes to the terminal whe
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 import time
@@ -73,24 +74,42 @@ class BuildKernels(BuildExtension):
         started = time.monotonic()
         super().run()
         if self.extensions:
-            say(f"kvserve: CPU kernels done in {time.monotonic() - started:.0f} s")
+            built = [ext for ext in self.extensions if not json.loads(self._record(ext).read_text())["error"]]
+            say(f"kvserve: CPU kernels built for {len(built)} of {len(self.extensions)} families "
+                f"in {time.monotonic() - started:.0f} s")
+
+    def build_extensions(self) -> None:
+        for ext in self.extensions:  # a record left by an earlier build in the same folder
+            self._record(ext).unlink(missing_ok=True)
+        try:
+            super().build_extensions()
+        except Exception as exc:  # torch checks the compiler before building any family: none usable here
+            for ext in self.extensions:
+                if not self._record(ext).exists():
+                    self._failed(ext, exc)
 
     def build_extension(self, ext) -> None:
         isa = FAMILIES[ext.name]
         family = copy.copy(self)  # the families build in threads: each gets its own temporary folder
         family.build_temp = os.path.join(self.build_temp, isa.name)
-        folder = Path(self.get_ext_fullpath(ext.name)).parent
         started = time.monotonic()
         try:
             super(BuildKernels, family).build_extension(ext)
-        except Exception as exc:  # a compiler error, or no compiler: the install goes on without this family
-            error = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            kernel_build.write_record(isa, folder, torch.__version__, error=error)
-            say(f"kvserve: the {isa.label} kernels failed to build ({error}); "
-                f"CPUs of that family will run the portable torch path")
+        except Exception as exc:  # a compiler error: the install goes on without this family
+            self._failed(ext, exc)
             return
-        kernel_build.write_record(isa, folder, torch.__version__)
-        say(f"kvserve: built the {isa.label} kernels in {time.monotonic() - started:.0f} s")
+        kernel_build.write_record(isa, self._record(ext).parent, torch.__version__)
+        say(f"kvserve: built the {isa.name} kernels in {time.monotonic() - started:.0f} s")
+
+    def _record(self, ext) -> Path:
+        return kernel_build.record_path(FAMILIES[ext.name], Path(self.get_ext_fullpath(ext.name)).parent)
+
+    def _failed(self, ext, exc: Exception) -> None:
+        isa = FAMILIES[ext.name]
+        error = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        kernel_build.write_record(isa, self._record(ext).parent, torch.__version__, error=error)
+        say(f"kvserve: the {isa.name} kernels failed to build ({error}); "
+            f"CPUs of that family will run the portable torch path")
 
     def copy_extensions_to_source(self) -> None:
         super().copy_extensions_to_source()
