@@ -117,7 +117,7 @@ def _quantized(kernel):
 def _load(isa: CpuIsa):
     kernels, problem = load_installed(isa)
     if problem:
-        logger.warning("CPU kernels for %s unavailable: %s; using the portable torch path (to build them, %s)",
+        logger.warning("CPU kernels for %s unavailable: %s; using the portable torch path. To build them, %s",
                        isa.label, problem, kernel_build.REBUILD_HINT)
     return kernels
 

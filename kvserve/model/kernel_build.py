@@ -31,7 +31,7 @@ SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_fp
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 
-REBUILD_HINT = "reinstall kvserve with a C++ compiler present (from a checkout: pip install -e .)"
+REBUILD_HINT = "reinstall kvserve where a C++ compiler is installed (from a checkout: pip install -e .)"
 
 
 def module_name(isa: CpuIsa) -> str:

@@ -52,7 +52,7 @@ def test_a_family_the_install_did_not_build_is_named_and_the_portable_path_runs(
         assert kernels_module._load.__wrapped__(AVX2) is None
     assert caplog.messages == [
         "CPU kernels for AVX2+FMA unavailable: not built when kvserve was installed; using the portable torch "
-        "path (to build them, reinstall kvserve with a C++ compiler present (from a checkout: pip install -e .))"]
+        "path. To build them, reinstall kvserve where a C++ compiler is installed (from a checkout: pip install -e .)"]
 
 
 def test_a_family_that_failed_to_build_at_install_says_why(tmp_path):
