@@ -8,14 +8,6 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from tiny_models import save_model  # noqa: E402
 
 
-def pytest_sessionstart(session):
-    """Builds this CPU's kernels once, before any test: on a fresh machine the first build takes a minute or
-    more, and a test that starts `kvserve serve` as a subprocess should not spend its start-up budget on it."""
-    from kvserve.model.cpu_kernels import cpu_kernels
-
-    cpu_kernels()
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Returns a function kind -> (folder, transformers model), building each checkpoint once per session."""

@@ -1,38 +1,35 @@
-"""Optional C++ kernels for CPUs, compiled on first use with torch's extension builder (needs a C++ compiler
-and ninja), once per ISA family (kvserve/model/cpu_isa.py): the module's name carries the family, so each
-family has its own entry in torch's extension cache. Everything here has a portable torch fallback: if the
-build fails, kvserve logs why and runs the portable path, never fails.
+"""Optional C++ kernels for CPUs, compiled when kvserve installs (setup.py; kvserve/model/kernel_build.py), one
+module per ISA family (kvserve/model/cpu_isa.py). Runtime only loads the selected family's module, never
+compiles: a family the install could not build, or built from other sources or for another torch, is named
+in the start-up log and the portable torch path runs instead.
 
 Set KVSERVE_CPU_KERNELS=0 to force the portable path, KVSERVE_CPU_ISA=avx2 (etc.) to cap the family.
 """
 
 from __future__ import annotations
 
-import fcntl
+import importlib.util
 import logging
 import os
-from contextlib import contextmanager
+import sys
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from kvserve.cache.storage.kv_storage import LayerKVCache
+from kvserve.model import kernel_build
 from kvserve.model.cpu_isa import CpuIsa, selected_isa
 
 logger = logging.getLogger("kvserve.model")
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_fp32.cpp",
-                                    "kv_quantize.cpp", "small_batch_linear.cpp", "block_quant_linear.cpp", "argmax.cpp")]
-
 
 def cpu_kernels(isa: CpuIsa | None = None):
-    """The compiled module for `isa` (default: the selected family), or None when it cannot be built or
-    KVSERVE_CPU_KERNELS=0. Which prefill kernels it has depends on the family: see `prefill_kernel`."""
+    """The installed module for `isa` (default: the selected family), or None when the install has none that
+    fits (the log says why) or KVSERVE_CPU_KERNELS=0. Which prefill kernels it has depends on the family: see `prefill_kernel`."""
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
-    return _build(isa or selected_isa())
+    return _load(isa or selected_isa())
 
 
 # The kernels' ids of the quantized formats (kv_dequant.h's kvq::Format).
@@ -127,48 +124,29 @@ def _quantized(kernel):
     return call
 
 
-def module_name(isa: CpuIsa) -> str:
-    return f"kvserve_cpu_kernels_{isa.name}"
-
-
 @cache
-def _build(isa: CpuIsa):
+def _load(isa: CpuIsa):
+    kernels, problem = load_installed(isa)
+    if problem:
+        logger.warning("CPU kernels for %s unavailable: %s; using the portable torch path. To build them, %s",
+                       isa.label, problem, kernel_build.REBUILD_HINT)
+    return kernels
+
+
+def load_installed(isa: CpuIsa, folder: Path | None = None):
+    """(the module the install built for `isa` in `folder`, None) or (None, why it is not loaded)."""
+    folder = folder or kernel_build.KERNELS_DIR
+    problem = kernel_build.install_problem(isa, torch.__version__, folder)
+    if problem:
+        return None, problem
+    name = kernel_build.module_name(isa)
+    if name in sys.modules:
+        return sys.modules[name], None
+    spec = importlib.util.spec_from_file_location(name, kernel_build.module_file(isa, folder))
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
-
-        name = module_name(isa)
-        build_dir = Path(_get_build_directory(name, verbose=False))
-        if not any(build_dir.glob(f"{name}*.so")):
-            logger.info("Building the CPU kernels for %s (once per CPU family, about 30-60 s; cached in %s)",
-                        isa.label, build_dir)
-        with _exclusive_build(build_dir):
-            return load(
-                name=name,
-                sources=[str(source) for source in SOURCES],
-                # The family's flags, not -march=native: the cache entry must run on every CPU of the family.
-                # -fopenmp: at::parallel_for is header code that runs serially unless OpenMP is on at compile
-                # time.
-                extra_cflags=["-O3", "-ffast-math", "-fopenmp", *isa.compile_flags],
-                extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(CSRC)],
-                verbose=False,
-            )
-    except Exception as exc:  # a missing compiler or ninja must not stop the engine
-        logger.warning("CPU kernels for %s unavailable (%s); using the portable torch path", isa.label, exc)
-        return None
-
-
-@contextmanager
-def _exclusive_build(build_dir: Path):
-    """Holds an flock on the build folder while torch builds or loads the module there.
-
-    torch's own lock is a plain file that a build killed mid-way leaves behind, and every later start then
-    waits on it forever. An flock dies with its process, so whoever holds it knows any torch lock file it
-    finds is stale, and removes it."""
-    with open(build_dir / "kvserve-build.flock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        stale = build_dir / "lock"
-        if stale.exists():
-            logger.warning("removing %s, left by a kernel build that was killed", stale)
-            stale.unlink()
-        yield
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # e.g. a libstdc++ older than the one it was built with
+        return None, f"its module does not load ({exc})"
+    sys.modules[name] = module
+    return module, None

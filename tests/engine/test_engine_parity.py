@@ -7,7 +7,8 @@ from logprob_checks import LOGPROB_TOLERANCE, assert_rank_matches, assert_top_ma
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.cpu_isa import ISA_ENV, runnable_isas, selected_isa
-from kvserve.model.cpu_kernels import cpu_kernels, module_name
+from kvserve.model.cpu_kernels import cpu_kernels
+from kvserve.model.kernel_build import module_name
 
 MAX_NEW_TOKENS = 12
 PROMPT_LENGTHS = [1, 7, 16, 17, 33, 64, 150, 300]

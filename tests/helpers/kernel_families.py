@@ -11,5 +11,5 @@ FAMILIES = pytest.mark.parametrize("isa", runnable_isas(), ids=str)
 def kernels_for(isa):
     kernels = cpu_kernels(isa)
     if kernels is None:
-        pytest.skip(f"the CPU kernels for {isa} could not be built here")
+        pytest.skip(f"no installed CPU kernels for {isa} (the warning above says why)")
     return kernels
