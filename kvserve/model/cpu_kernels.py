@@ -24,7 +24,7 @@ logger = logging.getLogger("kvserve.model")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_fp32.cpp",
-                                    "kv_quantize.cpp", "small_batch_linear.cpp", "block_quant_linear.cpp", "argmax.cpp")]
+                                    "kv_quantize.cpp", "small_batch_linear.cpp", "quant_linear.cpp", "argmax.cpp")]
 
 
 def cpu_kernels(isa: CpuIsa | None = None):
