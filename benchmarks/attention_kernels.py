@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache, allocate_kv_storage
+from kvserve.cache.storage.kv_storage import LayerKVCache, allocate_kv_storage
 from kvserve.model.attention import Attention
 from kvserve.model.cpu_isa import native_bf16, selected_isa
 from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel

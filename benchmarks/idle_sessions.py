@@ -98,7 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvserve-disk-tier-") as folder:
         disk = LLM(args.model, kv_disk_path=folder, **common)
         first_turns(disk, prompts)
-        disk.engine.tiers.disk.flush()
+        disk.engine.tiers.tier("disk").flush()
         dropped = drop_page_cache()
         results[f"disk tier ({'page cache dropped' if dropped else 'page cache kept: not allowed here'})"] = \
             returning_ttfts(disk, turns)

@@ -20,7 +20,6 @@ Bytes are per token and KV head (64-dim heads), K and V together, scales include
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 import kvserve.model.attention as attention_module
-from kvserve.cache.kv_quant import decode_scale_byte, encode_scale_byte, rotation_matrix
+from kvserve.cache.storage.kv_quant import decode_scale_byte, encode_scale_byte, rotation_matrix
 from kvserve.engine import eval_kv_cli
 from kvserve.engine.kv_eval import compare, stdlib_text
 

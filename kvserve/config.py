@@ -130,6 +130,7 @@ class CacheConfig:
     kv_offloading_backend: str = "native"
     kv_disk_path: str | None = None  # a disk tier below the host tier, kept across restarts
     kv_disk_size: float = 10.0  # GiB
+    kv_disk_save_timeout: float = 30.0  # seconds shutdown may spend saving the pool to the disk tier
     kv_idle_offload_seconds: float | None = None  # sessions idle this long leave the pool for the tiers
     kv_cache_memory: float | None = None  # GiB for the pool on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE); None: default
     gpu_memory_utilization: float = 0.9
@@ -156,6 +157,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    disable_cascade_attn: bool = False  # vLLM's flag: decodes sharing prefix blocks read them each on their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -168,6 +170,8 @@ class EngineConfig:
             raise ValueError(f"--kv-offloading-backend {cache.kv_offloading_backend!r}: kvserve has 'native'")
         if cache.kv_disk_size <= 0:
             raise ValueError(f"--kv-disk-size must be > 0 GiB, got {cache.kv_disk_size}")
+        if cache.kv_disk_save_timeout < 0:
+            raise ValueError(f"--kv-disk-save-timeout must be >= 0 seconds, got {cache.kv_disk_save_timeout}")
         tiers = cache.kv_offloading_size is not None or cache.kv_disk_path is not None
         if tiers and not cache.enable_prefix_caching:
             raise ValueError("the KV tiers (--kv-offloading-size, --kv-disk-path) find blocks by their prefix hash: "

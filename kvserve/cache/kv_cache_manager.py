@@ -36,7 +36,7 @@ from kvserve.cache.block_pool import BlockPool, KVBlock, PrefixCacheStats
 from kvserve.cache.transfers import LOAD, OFFLOAD, FromOffload, Transfer
 
 if TYPE_CHECKING:  # the bookkeeping stays torch-free; the tiers (torch) are handed in by the engine
-    from kvserve.cache.kv_tiers import KVTiers
+    from kvserve.cache.storage.kv_tiers import KVTiers
 
 
 class CacheRequest(Protocol):

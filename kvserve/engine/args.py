@@ -15,6 +15,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="weights and activations dtype (auto: the checkpoint's; bf16 for GGUF)")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--disable-cascade-attn", action="store_true",
+                       help="decodes that share cached prefix blocks read them each on their own, instead of once "
+                            "per step for the group (CPU kernels)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length limit (default: the model's, capped to what the KV pool holds)")
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -34,6 +37,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-disk-path", default=None,
                        help="a folder for a disk tier below the host tier (kept across restarts)")
     group.add_argument("--kv-disk-size", type=float, default=10.0, help="GiB the disk tier may use (default 10)")
+    group.add_argument("--kv-disk-save-timeout", type=float, default=30.0,
+                       help="at shutdown, seconds to spend saving the pool's cached blocks to the disk tier; the "
+                            "rest are recomputed after the restart (default 30; keep a pod's grace period above "
+                            "--shutdown-timeout plus this)")
     group.add_argument("--kv-idle-offload-seconds", type=float, default=None,
                        help="move the blocks of sessions (OpenAI's user, or X-Session-ID) idle this long from the "
                             "pool to the KV tiers")
@@ -50,6 +57,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        disable_cascade_attn=args.disable_cascade_attn,
         cache=CacheConfig(
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
@@ -60,6 +68,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_offloading_backend=args.kv_offloading_backend,
             kv_disk_path=args.kv_disk_path,
             kv_disk_size=args.kv_disk_size,
+            kv_disk_save_timeout=args.kv_disk_save_timeout,
             kv_idle_offload_seconds=args.kv_idle_offload_seconds,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -299,7 +299,16 @@ class AsyncLLMEngine:
             self.state = EngineState.DRAINING
 
     async def shutdown(self, grace_period_s: float = 0.0) -> None:
-        """Stop admitting, let in-flight requests finish for up to `grace_period_s`, then abort the rest and stop."""
+        """`stop`, then `close` (whatever stop did). The server calls the two itself, closing its request log in
+        between."""
+        try:
+            await self.stop(grace_period_s)
+        finally:
+            await self.close()
+
+    async def stop(self, grace_period_s: float = 0.0) -> None:
+        """Stop admitting, let in-flight requests finish for up to `grace_period_s`, then abort the rest and stop
+        the engine thread. No request runs after this."""
         self.stop_admitting()
         deadline = time.monotonic() + grace_period_s
         while self.num_in_flight and time.monotonic() < deadline and self.is_alive:
@@ -308,10 +317,14 @@ class AsyncLLMEngine:
         self._go.set()  # a thread from build_in_thread that was never started still has to see the stop
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
-        if self._thread is None or not self._thread.is_alive():
-            await asyncio.to_thread(self.engine.close)
         if self.state is not EngineState.DEAD:
             self.state = EngineState.STOPPED
+
+    async def close(self) -> None:
+        """After stop: the engine saves its KV tiers (up to --kv-disk-save-timeout) and stops its tensor-parallel
+        workers. Skipped while the engine thread still runs (a step that did not return), which owns them."""
+        if self._thread is None or not self._thread.is_alive():
+            await asyncio.to_thread(self.engine.close)
 
     # ---- requests (event loop side) --------------------------------------------------------------------------
 

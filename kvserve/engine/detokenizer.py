@@ -28,6 +28,10 @@ class IncrementalDetokenizer:
     prefix_offset: int = 0
     read_offset: int = 0
     num_sent_chars: int = 0  # chars of `text` already handed out as deltas
+    longest_stop: int = field(init=False)  # the characters a running request holds back, plus one
+
+    def __post_init__(self) -> None:
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
 
     def append(self, token_id: int) -> str | None:
         """Adds one output token; returns the stop string it completed, if any."""
@@ -37,7 +41,7 @@ class IncrementalDetokenizer:
         if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
             return None  # an incomplete character (or nothing visible yet): wait for the next token
         new_text = full_text[len(prefix_text) :]
-        search_start = max(0, len(self.text) - self._longest_stop + 1)
+        search_start = max(0, len(self.text) - self.longest_stop + 1)
         self.text += new_text
         self.prefix_offset = max(self.read_offset, len(self.token_ids) - CONTEXT_TOKENS)
         self.read_offset = len(self.token_ids)
@@ -45,14 +49,10 @@ class IncrementalDetokenizer:
 
     def delta(self, finished: bool) -> str:
         """Text not yet handed out; while running, holds back what could still become a stop string."""
-        end = len(self.text) if finished or not self.stop else max(self.num_sent_chars, len(self.text) - self._longest_stop + 1)
+        end = len(self.text) if finished or not self.stop else max(self.num_sent_chars, len(self.text) - self.longest_stop + 1)
         out = self.text[self.num_sent_chars : end]
         self.num_sent_chars = end
         return out
-
-    @property
-    def _longest_stop(self) -> int:
-        return max((len(s) for s in self.stop), default=0)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens) if token_ids else ""

@@ -1,4 +1,4 @@
-"""The key offsets of a quantized KV cache (cache/kv_storage.py), measured once at start-up.
+"""The key offsets of a quantized KV cache (cache/storage/kv_storage.py), measured once at start-up.
 
 Every rank runs one forward over a built-in text (prose, dialogue, code, numbers, a few languages) before any
 request arrives, through scratch caches in the pool's format: each layer's first write measures its keys'
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from kvserve.cache.kv_storage import LayerKVCache, adopt_calibration, calibration_caches
+from kvserve.cache.storage.kv_storage import LayerKVCache, adopt_calibration, calibration_caches
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.step_plan import StepInputs
 from kvserve.model.rotary import slow_channels

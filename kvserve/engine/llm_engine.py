@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.cache.block_copier import BlockCopier
+from kvserve.cache.storage.block_copier import BlockCopier
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.tier_stats import TierStats
 from kvserve.config import EngineConfig
@@ -251,13 +251,14 @@ class LLMEngine:
         return None if self.idle_sessions is None else self.idle_sessions.seconds_to_next()
 
     def close(self) -> None:
-        """Saves what the KV tiers must keep across a restart (the disk tier), stops their writer, and stops
-        the tensor-parallel workers."""
+        """Saves what the KV tiers must keep across a restart (the disk tier) for up to --kv-disk-save-timeout
+        seconds, stops their writer, and stops the tensor-parallel workers."""
         tiers, self.tiers = getattr(self, "tiers", None), None
         try:
             if tiers is not None:
                 cached = self.kv_cache.pool.cached_blocks
-                tiers.close([block.block_id for block in cached.values()], list(cached))
+                deadline = time.monotonic() + self.config.cache.kv_disk_save_timeout
+                tiers.close([block.block_id for block in cached.values()], list(cached), deadline)
         finally:
             if self.tp is not None:
                 self.tp.close()

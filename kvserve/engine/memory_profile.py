@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.cache.kv_storage import allocate_kv_storage
+from kvserve.cache.storage.kv_storage import allocate_kv_storage
 from kvserve.config import EngineConfig, SchedulerConfig
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import sample

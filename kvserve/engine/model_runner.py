@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_storage import LayerKVCache
 from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.engine.shared_prefix import find_shared_prefixes
 from kvserve.engine.step_plan import PromptSpan, StepInputs, StepPlan
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel, kv_writer
@@ -45,7 +46,7 @@ def describe_cpu_weights(model: LlamaForCausalLM, plain_bytes: int) -> str:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache], block_size: int,
-                 device: torch.device, max_gather_tokens: int | None = None) -> None:
+                 device: torch.device, max_gather_tokens: int | None = None, cascade_attention: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -60,6 +61,8 @@ class ModelRunner:
         kernels = cpu_kernels() if device.type == "cpu" else None
         # The CPU kernels for this model and cache format; None: the portable torch path.
         self.decode_kernel = decode_kernel(kernels, model.dtype, kv_caches[0])
+        # Shared prefixes read once per group (cascade attention): the CPU decode kernel's, without a window.
+        self.cascade_attention = cascade_attention and self.decode_kernel is not None and self.sliding_window is None
         self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim, kv_caches[0])
         for layer_cache in kv_caches:  # new K/V: one call per layer (quantizing: instead of ~25 torch ops)
             layer_cache.writer = kv_writer(kernels, layer_cache)
@@ -92,6 +95,11 @@ class ModelRunner:
 
     def _decode_group(self, inputs: StepInputs, seqs: range) -> DecodeGroup:
         context_lens = [inputs.num_computed[s] + 1 for s in seqs]
+        shared = None
+        if self.cascade_attention and len(seqs) > 1:
+            found = find_shared_prefixes([inputs.block_tables[s] for s in seqs], self.block_size)
+            if found is not None:
+                shared = (torch.tensor(found.lens, dtype=torch.long), torch.tensor(found.leaders, dtype=torch.long))
         return DecodeGroup(
             block_tables=self._block_tables(inputs, seqs),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
@@ -100,6 +108,7 @@ class ModelRunner:
             sliding_window=self.sliding_window,
             kernel=self.decode_kernel,
             max_gather_tokens=self.max_gather_tokens,
+            shared_prefixes=shared,
         )
 
     def _block_tables(self, inputs: StepInputs, seqs: range) -> torch.Tensor:

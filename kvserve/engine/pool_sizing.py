@@ -118,7 +118,7 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
 
 
 def key_staging_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
-    """What the pool's int4 key staging (cache/key_staging.py) holds beside it, taken from the pool's memory."""
+    """What the pool's int4 key staging (cache/storage/key_staging.py) holds beside it, taken from the pool's memory."""
     spec = spec_from_hf_config(loaded.hf_config, source=str(loaded.path))
     return kv_key_staging_bytes(spec, config.cache.block_size, config.scheduler.max_num_seqs,
                                 kv_format_name(config, loaded), _dtype_name(kv_storage_dtype(config, loaded)),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache, allocate_kv_storage, set_fp8_scales
+from kvserve.cache.storage.kv_storage import LayerKVCache, allocate_kv_storage, set_fp8_scales
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_calibration import calibrate_key_offsets, calibration_text
 from kvserve.engine.memory_profile import decode_gather_tokens
@@ -54,7 +54,8 @@ def build_rank(config: EngineConfig, device: torch.device, shard: TensorShard,
     )
     scales = set_fp8_scales(storage, loaded.model.checkpoint_kv_scales, cache_cfg.calculate_kv_scales)
     runner = ModelRunner(loaded.model, storage, cache_cfg.block_size, device,
-                         max_gather_tokens=decode_gather_tokens(config.scheduler))
+                         max_gather_tokens=decode_gather_tokens(config.scheduler),
+                         cascade_attention=not config.disable_cascade_attn)
     calibration_tokens = 0
     if storage[0].quantized:
         # Every rank runs the same forward in step, so its collectives pair up.

@@ -27,7 +27,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from kvserve.cache.block_copier import BlockCopier
+from kvserve.cache.storage.block_copier import BlockCopier
 from kvserve.config import EngineConfig
 from kvserve.engine.tp_process_group import RankGroup
 from kvserve.engine.tp_worker import FAILED, JOINING, READ_BLOCKS, READY, START, STEP, STOP, WRITE_BLOCKS, WorkerStart

@@ -103,7 +103,7 @@ def _build(start: WorkerStart, device, group):
 def _serve(state, group, conn: Connection) -> None:
     import torch
 
-    from kvserve.cache.block_copier import BlockCopier
+    from kvserve.cache.storage.block_copier import BlockCopier
 
     copier = None
     while True:

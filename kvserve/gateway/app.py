@@ -22,7 +22,7 @@ from kvserve.gateway.health import check_all, health_loop
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.routing import Router
 from kvserve.gateway.settings import GatewaySettings
-from kvserve.gateway.store import Store, StoreUnavailable, drain_background, open_store
+from kvserve.gateway.store import Store, StoreUnavailable, connect_store, drain_background
 from kvserve.server.errors import SERVER_ERROR, APIError, install_error_handlers, unexpected_error_response
 from kvserve.server.responses import json_response
 
@@ -30,7 +30,7 @@ logger = logging.getLogger("kvserve.gateway")
 
 
 def make_backends(settings: GatewaySettings) -> list[Backend]:
-    return [Backend(url, CircuitBreaker(settings.breaker_failures, settings.breaker_open_s))
+    return [Backend(url, CircuitBreaker(settings.breaker_failures, settings.breaker_open_s), settings.backend_api_key)
             for url in settings.backends]
 
 
@@ -96,7 +96,8 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway_store = store or open_store(settings.redis_url, settings.state_path, settings.store_limits)
+        gateway_store = store or await connect_store(settings.redis_url, settings.state_path, settings.store_limits,
+                                                     settings.redis_cluster)
         http = make_http_client(settings)
         router = Router(backends, gateway_store, settings.routing)
         holder["gateway"] = Gateway(settings, gateway_store, backends, router, metrics, http)
@@ -108,9 +109,9 @@ def build_app(settings: GatewaySettings, store: Store | None = None) -> FastAPI:
             router.expire_prefixes(backend.url, horizon)
 
         health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
-        await check_all(http, backends, settings.backend_headers(), health_timeout)
-        task = asyncio.create_task(health_loop(http, backends, settings.backend_headers(), health_timeout,
-                                               settings.health_interval_s, on_cache_lost))
+        await check_all(http, backends, health_timeout)
+        task = asyncio.create_task(health_loop(http, backends, health_timeout, settings.health_interval_s,
+                                               on_cache_lost))
         try:
             yield
         finally:
@@ -175,7 +176,7 @@ async def _first_answer(gateway: Gateway, path: str) -> Response:
         if not backend.available():
             continue
         try:
-            async with gateway.http.get(backend.url + path, headers=gateway.settings.backend_headers()) as response:
+            async with gateway.http.get(backend.url + path, headers=backend.headers) as response:
                 content = await response.read()
         except aiohttp.ClientError:
             continue

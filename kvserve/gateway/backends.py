@@ -8,9 +8,10 @@ each replica sees the same backends. Routing state (sessions, prefixes) lives in
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from urllib.parse import urlsplit
 
+from kvserve.gateway.backend_auth import backend_credentials
 from kvserve.gateway.breaker import CircuitBreaker
 from kvserve.gateway.urls import redacted_url
 
@@ -35,8 +36,11 @@ class BackendLoad:
 
 @dataclass(slots=True)
 class Backend:
+    # Given as configured; kept without its credentials (backend_auth), which is where requests go and the
+    # backend's identity in the store: a password in a --backend URL is sent, never stored in Redis or SQLite.
     url: str
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    api_key: InitVar[str | None] = None  # --backend-api-key
     healthy: bool = True
     load: BackendLoad = field(default_factory=BackendLoad)
     in_flight: int = 0  # requests this gateway has open on it: fresher than the last /metrics scrape
@@ -44,9 +48,11 @@ class Backend:
     eviction_marks: deque = field(default_factory=lambda: deque(maxlen=EVICTION_MARKS))
     cache_horizon: float = 0.0  # the latest horizon reported for it (entries at or before it are gone)
     shown_url: str = field(init=False)  # the URL with its password masked: what logs, metrics and answers show
+    headers: dict[str, str] = field(init=False)  # what authenticates every request to it
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, api_key: str | None) -> None:
         self.shown_url = redacted_url(self.url)
+        self.url, self.headers = backend_credentials(self.url, api_key)
 
     def available(self) -> bool:
         return self.healthy and self.breaker.allows_request()

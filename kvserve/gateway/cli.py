@@ -12,12 +12,14 @@ import asyncio
 import os
 import sys
 
-from kvserve.gateway.cache_scope import CACHE_SHARING
+from kvserve.gateway.backend_auth import backend_credentials, uses_own_credentials
 from kvserve.gateway.backends import BadBackendURL, normalize_backend_url
+from kvserve.gateway.cache_scope import CACHE_SHARING
 from kvserve.gateway.proxy import RetryPolicy
 from kvserve.gateway.routing import POLICIES, RoutingConfig
 from kvserve.gateway.settings import DEFAULT_STATE_PATH, GatewaySettings
-from kvserve.gateway.store import StoreLimits, StoreUnavailable, move_old_keys, open_store
+from kvserve.gateway.redis_client import CLUSTER_MODES
+from kvserve.gateway.store import StoreLimits, StoreUnavailable, connect_store, move_old_keys
 from kvserve.gateway.urls import redacted_url
 from kvserve.server.settings import DEFAULT_MAX_REQUEST_BYTES
 
@@ -28,6 +30,9 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
                              "every replica (default: $KVSERVE_GATEWAY_REDIS_URL, else the SQLite --state-path)")
     parser.add_argument("--state-path", default=DEFAULT_STATE_PATH,
                         help=f"the SQLite file used without --redis-url (default {DEFAULT_STATE_PATH})")
+    parser.add_argument("--redis-cluster", choices=CLUSTER_MODES, default="auto",
+                        help="whether --redis-url names a node of a Redis Cluster (then the gateway follows the "
+                             "cluster's slot map); auto: ask the node at start (default)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=POLICIES, default="session",
                         help="session: sessions, prefixes, then load (default); round-robin: the baseline")
     parser.add_argument("--backend-api-key", default=os.environ.get("KVSERVE_BACKEND_API_KEY"),
-                        help="sent as the bearer key to backends started with --api-key "
-                             "(default: $KVSERVE_BACKEND_API_KEY)")
+                        help="sent as the bearer key to backends started with --api-key, except those whose URL "
+                             "carries user:password@ (sent as basic auth instead; default: $KVSERVE_BACKEND_API_KEY)")
     parser.add_argument("--disable-auth", action="store_true",
                         help="serve without API keys (anyone who reaches the port can use the backends)")
     parser.add_argument("--load-factor", type=float, default=1.0,
@@ -127,7 +132,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
                                  conversation_max_messages=args.conversation_max_messages),
         health_interval_s=args.health_interval, breaker_failures=args.breaker_failures,
         breaker_open_s=args.breaker_open_seconds, max_request_bytes=args.max_request_bytes,
-        cache_sharing=args.cache_sharing,
+        cache_sharing=args.cache_sharing, redis_cluster=args.redis_cluster,
     )
 
 
@@ -142,15 +147,17 @@ def preflight(settings: GatewaySettings) -> None:
     import httpx
 
     for url in settings.backends:
+        request_url, headers = backend_credentials(url, settings.backend_api_key)
         try:
-            response = httpx.get(f"{url}/health", headers=settings.backend_headers(), timeout=settings.health_timeout_s)
+            response = httpx.get(f"{request_url}/health", headers=headers, timeout=settings.health_timeout_s)
         except httpx.HTTPError as exc:
             raise StartupError(f"backend {redacted_url(url)} is unreachable ({type(exc).__name__}: {exc})") from None
         if response.status_code != 200:
             raise StartupError(f"backend {redacted_url(url)} answered /health with HTTP {response.status_code}")
 
     async def ping() -> None:
-        store = open_store(settings.redis_url, settings.state_path, settings.store_limits)
+        store = await connect_store(settings.redis_url, settings.state_path, settings.store_limits,
+                                    settings.redis_cluster)
         try:
             await store.ping()
             await move_old_keys(store)
@@ -178,5 +185,9 @@ def serve(settings: GatewaySettings, host: str, port: int, log_level: str) -> in
                                                backends, store, settings.routing.policy,
                                                " and ".join(fast) if fast else "asyncio and h11 (no kvserve[gateway])",
                                                "" if settings.require_api_key else "; auth DISABLED")
+    for url in settings.backends:
+        if uses_own_credentials(url, settings.backend_api_key):
+            logging.getLogger("kvserve.gateway").info("backend %s: basic auth from its URL; --backend-api-key is "
+                                                       "not sent to it", redacted_url(url))
     uvicorn.run(build_app(settings), host=host, port=port, log_level=log_level.lower(), access_log=False)
     return 0

@@ -131,19 +131,30 @@ def _unauthorized(gateway: Gateway) -> APIError:
 def check_limits(gateway: Gateway, key: KeyRecord, state: RequestState, reset_s: float,
                  cost: TokenCost) -> LimitState:
     limit = limits.limit_state(key, state, reset_s)
-    exceeded = limit.exceeded
-    if exceeded is not None:
-        gateway.metrics.rejected.labels(f"rate_limit_{exceeded}").inc()
-        allowed = limit.requests_limit if exceeded == "requests" else limit.tokens_limit
-        # OpenAI's wording for a request no window could take, so a client does not retry it for ever.
-        too_large = exceeded == "tokens" and cost.wanted > allowed
-        message = (f"Request too large for key {key.key_id} on tokens per minute: limit {allowed}, requested at "
-                   f"least {cost.wanted} (prompt estimated from its bytes, plus max_tokens)." if too_large else
-                   f"Rate limit reached for key {key.key_id} on {exceeded} per minute: limit {allowed}. "
-                   f"Try again in {math.ceil(limit.reset_s)}s.")
-        raise APIError(429, message, type=exceeded, code="rate_limit_exceeded",
-                       headers={**limit.headers(), "Retry-After": str(math.ceil(limit.reset_s))})
+    if limit.exceeded is not None:
+        raise _rate_limited(gateway, key, limit, limit.exceeded, cost.wanted)
     return limit
+
+
+async def _reserve_history(gateway: Gateway, key: KeyRecord, limit: LimitState, reservation: TokenReservation,
+                           history_tokens: int) -> None:
+    """A conversation's stored history is prompt too: reserved before the turn is sent, or a 429."""
+    if not await limits.reserve_more(gateway.store, reservation, history_tokens, key.tokens_per_minute):
+        _refund(gateway, reservation)
+        raise _rate_limited(gateway, key, limit, "tokens", reservation.prompt_tokens + 1)
+
+
+def _rate_limited(gateway: Gateway, key: KeyRecord, limit: LimitState, exceeded: str, wanted: int) -> APIError:
+    gateway.metrics.rejected.labels(f"rate_limit_{exceeded}").inc()
+    allowed = limit.requests_limit if exceeded == "requests" else limit.tokens_limit
+    # OpenAI's wording for a request no window could take, so a client does not retry it for ever.
+    too_large = exceeded == "tokens" and wanted > allowed
+    message = (f"Request too large for key {key.key_id} on tokens per minute: limit {allowed}, requested at "
+               f"least {wanted} (prompt estimated from its bytes, plus max_tokens)." if too_large else
+               f"Rate limit reached for key {key.key_id} on {exceeded} per minute: limit {allowed}. "
+               f"Try again in {math.ceil(limit.reset_s)}s.")
+    return APIError(429, message, type=exceeded, code="rate_limit_exceeded",
+                    headers={**limit.headers(), "Retry-After": str(math.ceil(limit.reset_s))})
 
 
 async def forward_completion(gateway: Gateway, request: Request, path: str, chat: bool) -> Response:
@@ -164,7 +175,7 @@ async def forward_completion(gateway: Gateway, request: Request, path: str, chat
         put_history_first(body, turn, state.conversation)
         block_hashes = prefix_block_hashes(body, gateway.settings.prefix_block_chars, salt)
         if reservation is not None:  # admission counted the new messages; the history is known only now
-            await limits.charge_more(gateway.store, reservation, estimated_chat_tokens(state.conversation))
+            await _reserve_history(gateway, key, limit, reservation, estimated_chat_tokens(state.conversation))
     stream = bool(fields.stream)
     drop_usage = stream and key is not None and key.tokens_per_minute > 0 and not _asked_usage(body)
     if drop_usage:  # the gateway must count this stream's tokens; the client did not ask to see them
@@ -220,7 +231,7 @@ async def _read_state(gateway: Gateway, presented: tuple[str, KeyRecord] | None,
 
 
 async def _open(gateway: Gateway, exchange: Exchange, content: bytes, known: RequestState) -> Upstream:
-    headers = {"content-type": "application/json", **gateway.settings.backend_headers()}
+    headers = {"content-type": "application/json"}  # and each backend's own credentials (backend_auth)
     try:
         return await open_upstream(gateway.http, gateway.router, gateway.metrics, gateway.settings.retry,
                                    exchange.path, content, headers, exchange.session_id, exchange.block_hashes,

@@ -79,11 +79,11 @@ def eviction_horizon(marks, evictions: float, capacity_blocks: float) -> float |
     return None
 
 
-async def check_backend(http: aiohttp.ClientSession, backend: Backend, headers: dict[str, str],
-                        timeout: aiohttp.ClientTimeout, on_cache_lost: CacheLost | None = None) -> None:
+async def check_backend(http: aiohttp.ClientSession, backend: Backend, timeout: aiohttp.ClientTimeout,
+                        on_cache_lost: CacheLost | None = None) -> None:
     try:
-        health_status, _ = await _get(http, f"{backend.url}/health", headers, timeout)
-        metrics_status, metrics_text = await _get(http, f"{backend.url}/metrics", headers, timeout)
+        health_status, _ = await _get(http, f"{backend.url}/health", backend.headers, timeout)
+        metrics_status, metrics_text = await _get(http, f"{backend.url}/metrics", backend.headers, timeout)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # a total timeout is a bare asyncio.TimeoutError
         _set_health(backend, False, f"{type(exc).__name__}")
         return
@@ -111,14 +111,13 @@ def _set_health(backend: Backend, healthy: bool, why: str) -> None:
     backend.healthy = healthy
 
 
-async def check_all(http: aiohttp.ClientSession, backends: list[Backend], headers: dict[str, str],
-                    timeout: aiohttp.ClientTimeout, on_cache_lost: CacheLost | None = None) -> None:
-    await asyncio.gather(*(check_backend(http, backend, headers, timeout, on_cache_lost) for backend in backends))
+async def check_all(http: aiohttp.ClientSession, backends: list[Backend], timeout: aiohttp.ClientTimeout,
+                    on_cache_lost: CacheLost | None = None) -> None:
+    await asyncio.gather(*(check_backend(http, backend, timeout, on_cache_lost) for backend in backends))
 
 
-async def health_loop(http: aiohttp.ClientSession, backends: list[Backend], headers: dict[str, str],
-                      timeout: aiohttp.ClientTimeout, interval_s: float,
-                      on_cache_lost: CacheLost | None = None) -> None:
+async def health_loop(http: aiohttp.ClientSession, backends: list[Backend], timeout: aiohttp.ClientTimeout,
+                      interval_s: float, on_cache_lost: CacheLost | None = None) -> None:
     while True:
-        await check_all(http, backends, headers, timeout, on_cache_lost)
+        await check_all(http, backends, timeout, on_cache_lost)
         await asyncio.sleep(interval_s)

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from kvserve.gateway.keys import create_key, list_keys, revoke_key
-from kvserve.gateway.store import move_old_keys, open_store
+from kvserve.gateway.store import connect_store, move_old_keys
 
 
 def run_keys(args: argparse.Namespace) -> int:
@@ -15,7 +15,7 @@ def run_keys(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    store = open_store(args.redis_url, args.state_path)
+    store = await connect_store(args.redis_url, args.state_path, redis_cluster=args.redis_cluster)
     try:
         await store.ping()
         await move_old_keys(store)

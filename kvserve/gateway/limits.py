@@ -79,7 +79,9 @@ def limit_state(key: KeyRecord, state: RequestState, reset_s: float) -> LimitSta
 def reservation_of(query: StateQuery, state: RequestState) -> TokenReservation | None:
     if query.tokens_counter is None or not state.tokens_reserved:
         return None
-    return TokenReservation(query.tokens_counter, state.tokens_reserved, query.tokens_cost.prompt_tokens)
+    cost = query.tokens_cost
+    return TokenReservation(query.tokens_counter, state.tokens_reserved, cost.prompt_tokens,
+                            open_ended=cost.completion_tokens is None)
 
 
 async def admit(store: Store, key: KeyRecord, cost: TokenCost, now: float | None = None) -> LimitState:
@@ -98,9 +100,15 @@ async def settle(store: Store, reservation: TokenReservation, used_tokens: int) 
         reservation.reserved = used_tokens
 
 
-async def charge_more(store: Store, reservation: TokenReservation, extra_tokens: int) -> None:
-    """Adds to a reservation what admission could not know (a conversation's stored history)."""
-    if extra_tokens > 0:
-        await store.counter_add(reservation.counter, extra_tokens, WINDOW_S + 5)
-        reservation.reserved += extra_tokens
-        reservation.prompt_tokens += extra_tokens
+async def reserve_more(store: Store, reservation: TokenReservation, extra_tokens: int, tokens_limit: int) -> bool:
+    """Adds to a reservation the prompt tokens admission could not know (a conversation's stored history, read in
+    the same call). False when the window cannot take them: the caller refunds the reservation and refuses.
+    Counted before the check, like admission, so requests racing each other never pass the limit together."""
+    if extra_tokens <= 0:
+        return True
+    reservation.prompt_tokens += extra_tokens
+    if reservation.open_ended:  # it holds all the window had left: the whole prompt must fit in that
+        return reservation.prompt_tokens < reservation.reserved
+    used = await store.counter_add(reservation.counter, extra_tokens, WINDOW_S + 5)
+    reservation.reserved += extra_tokens
+    return used <= tokens_limit

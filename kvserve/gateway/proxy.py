@@ -84,7 +84,7 @@ async def _attempt(http: aiohttp.ClientSession, decision: RouteDecision, metrics
     backend.in_flight += 1
     started = time.perf_counter()
     try:
-        response = await http.post(backend.url + path, data=content, headers=headers)
+        response = await http.post(backend.url + path, data=content, headers={**headers, **backend.headers})
     except RETRYABLE_ERRORS as exc:
         backend.in_flight -= 1
         backend.breaker.on_failure()

@@ -18,9 +18,10 @@ DEFAULT_STATE_PATH = os.path.join(os.path.expanduser("~"), ".local", "state", "k
 class GatewaySettings:
     backends: list[str]  # normalized root URLs
     redis_url: str | None = None
+    redis_cluster: str = "auto"  # redis_client.CLUSTER_MODES: whether redis_url names a Redis Cluster node
     state_path: str = DEFAULT_STATE_PATH
     require_api_key: bool = True
-    backend_api_key: str | None = None  # sent to every backend, for engines started with --api-key
+    backend_api_key: str | None = None  # for engines started with --api-key (backend_auth: not where a URL has its own)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     store_limits: StoreLimits = field(default_factory=StoreLimits)
@@ -33,6 +34,3 @@ class GatewaySettings:
     upstream_timeout_s: float = 600.0  # between bytes of a backend's answer, as a long prefill may take
     cache_sharing: str = "key"  # cache_scope: each key its own prefix cache, or "global"
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a bigger body is a 413 before it is read
-
-    def backend_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.backend_api_key}"} if self.backend_api_key else {}

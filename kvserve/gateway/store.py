@@ -27,6 +27,7 @@ import time
 
 from kvserve.gateway.prefix import PrefixEntry, live_entries
 from kvserve.gateway.recent import RecentWrites
+from kvserve.gateway.redis_client import cluster_mode, failure_types, redis_client
 from kvserve.gateway.request_state import RequestState, StateQuery
 from kvserve.gateway.store_types import Store, StoreLimits, StoreUnavailable
 from kvserve.gateway.urls import redacted_url
@@ -41,13 +42,28 @@ OLD_PREFIX = "kvgw:"  # before the tag; what a gateway stored under it is moved 
 logger = logging.getLogger("kvserve.gateway")
 
 
-def open_store(redis_url: str | None, state_path: str, limits: StoreLimits | None = None) -> Store:
+def open_store(redis_url: str | None, state_path: str, limits: StoreLimits | None = None,
+               cluster: bool = False) -> Store:
+    """`cluster`: the Redis URL names a node of a Redis Cluster (see connect_store to find out)."""
     limits = limits or StoreLimits()
     if redis_url:
-        return RedisStore(redis_url, limits)
+        return RedisStore(redis_url, limits, cluster)
     from kvserve.gateway.sqlite_store import SQLiteStore  # only when asked: most deployments use Redis
 
     return SQLiteStore(state_path, limits)
+
+
+async def connect_store(redis_url: str | None, state_path: str, limits: StoreLimits | None = None,
+                        redis_cluster: str = "auto") -> Store:
+    """open_store with `--redis-cluster` (redis_client.CLUSTER_MODES) resolved: under auto the URL's node is
+    asked whether it is a cluster node. StoreUnavailable when it does not answer."""
+    cluster = False
+    if redis_url:
+        try:
+            cluster = await cluster_mode(redis_url, redis_cluster)
+        except failure_types() as exc:
+            raise StoreUnavailable(f"Redis at {redacted_url(redis_url)} is unavailable ({type(exc).__name__})") from None
+    return open_store(redis_url, state_path, limits, cluster)
 
 
 # read_request_state's commands, those its query asks for, in this order. KEYS: the keys hash, the requests
@@ -117,19 +133,14 @@ return 1
 
 
 class RedisStore:
-    def __init__(self, url: str, limits: StoreLimits) -> None:
-        import redis.asyncio as redis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
+    def __init__(self, url: str, limits: StoreLimits, cluster: bool = False) -> None:
+        """`cluster`: a Redis Cluster node's URL, reached with redis-py's cluster client (redis_client)."""
         self.url = url
         self.limits = limits
+        self.cluster = cluster
         self.recent = RecentWrites()
-        # Short timeouts and one retry: a dead Redis must become a prompt 503, never a hung request.
-        self.redis = redis.Redis.from_url(url, decode_responses=True, socket_timeout=1.0,
-                                          socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 1),
-                                          health_check_interval=0)
-        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self.redis = redis_client(url, cluster)
+        self._errors = failure_types()
         self._read_state = self.redis.register_script(READ_STATE_SCRIPT)
         self._append = self.redis.register_script(APPEND_SCRIPT)
 
@@ -179,11 +190,8 @@ class RedisStore:
     async def prefix_lookup(self, block_hashes: list[str]) -> list[PrefixEntry | None]:
         if not block_hashes:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.mget([f"{PREFIX}prefix:{h}" for h in block_hashes])
-        pipe.hgetall(f"{PREFIX}horizons")
-        values, horizons = await self._call(pipe.execute())
-        return live_entries(values, horizons)
+        # The request-state script's prefix part: one call, where a cluster client refuses MGET in a pipeline.
+        return (await self.read_request_state(StateQuery(prefix_hashes=block_hashes))).prefix_entries
 
     async def prefix_record(self, block_hashes: list[str], backend: str) -> None:
         if not block_hashes:
@@ -293,8 +301,27 @@ class RedisStore:
         await self.redis.delete(f"{OLD_PREFIX}keys")
         conversations = 0
         async for name in self.redis.scan_iter(match=f"{OLD_PREFIX}conversation:*", count=1000):
-            conversations += await self.redis.renamenx(name, PREFIX + name[len(OLD_PREFIX):])
+            conversations += await self._rename_if_free(name, PREFIX + name[len(OLD_PREFIX):])
         return len(old_keys), conversations
+
+    async def _rename_if_free(self, name: str, new_name: str) -> int:
+        """RENAMENX; a cluster renames only within one slot, so there the value is copied (DUMP, RESTORE with its
+        TTL) and the old name deleted. 0 when the new name is taken (the old one is left, as RENAMENX leaves it)."""
+        if not self.cluster:
+            return await self.redis.renamenx(name, new_name)
+        from redis.exceptions import ResponseError
+
+        payload, ttl_ms = await self.redis.dump(name), await self.redis.pttl(name)
+        if payload is None or ttl_ms == -2:  # gone meanwhile (expired)
+            return 0
+        try:
+            await self.redis.restore(new_name, max(ttl_ms, 0), payload)
+        except ResponseError as exc:
+            if "BUSYKEY" not in str(exc):
+                raise
+            return 0
+        await self.redis.delete(name)
+        return 1
 
     async def close(self) -> None:
         await self.redis.aclose()

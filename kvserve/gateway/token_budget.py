@@ -12,6 +12,10 @@ from dataclasses import dataclass
 TEMPLATE_TOKENS_PER_MESSAGE = 8  # <|im_start|>, role, newlines, <|im_end|>: what a chat template wraps around one
 TEMPLATE_TOKENS_PER_PROMPT = 16  # BOS, the generation prompt
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+# Chat fields a template renders into the prompt beside the messages (vLLM renders tools and documents; a template
+# may print what chat_template_kwargs gives it): counted too, or a small message with a huge tool list would be
+# admitted for the size of its message.
+RENDERED_CHAT_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs")
 
 
 @dataclass(slots=True)
@@ -35,6 +39,7 @@ class TokenReservation:
     counter: str
     reserved: int
     prompt_tokens: int  # the estimate: what a stream cut short is charged for its prompt
+    open_ended: bool = False  # it took all the window had left (no max_tokens): its prompt must fit in that
 
 
 def request_cost(body: dict, chat: bool) -> TokenCost:
@@ -43,8 +48,13 @@ def request_cost(body: dict, chat: bool) -> TokenCost:
     max_tokens = max_tokens if isinstance(max_tokens, int) else body.get("max_tokens")
     if not isinstance(max_tokens, int):
         max_tokens = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-    prompt = estimated_chat_tokens(body.get("messages")) if chat else estimated_prompt_tokens(body.get("prompt"))
+    prompt = estimated_chat_prompt_tokens(body) if chat else estimated_prompt_tokens(body.get("prompt"))
     return TokenCost(prompt, None if max_tokens is None else max_tokens * choices)
+
+
+def estimated_chat_prompt_tokens(body: dict) -> int:
+    return estimated_chat_tokens(body.get("messages")) + sum(
+        _utf8_bytes(body[name]) for name in RENDERED_CHAT_FIELDS if body.get(name))
 
 
 def estimated_chat_tokens(messages: object) -> int:

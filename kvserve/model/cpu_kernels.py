@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_storage import LayerKVCache
 from kvserve.model import kernel_build
 from kvserve.model.cpu_isa import CpuIsa, selected_isa
 
@@ -60,14 +60,25 @@ def prefill_kernel(kernels, dtype: torch.dtype, head_dim: int, cache: LayerKVCac
 
 def decode_kernel(kernels, dtype: torch.dtype, cache: LayerKVCache):
     """The decode attention when it reads this cache under this model dtype, as
-    `fn(q, cache, block_tables, context_lens, scale, sliding_window) -> out`; None: the portable path."""
+    `fn(q, cache, block_tables, context_lens, scale, sliding_window, shared_prefixes=None) -> out` (shared_prefixes:
+    DecodeGroup's); None: the portable path."""
     if kernels is None:
         return None
     if cache.quantized:
-        return _quantized(kernels.paged_decode_attention_quantized)
+        return _with_shared_prefixes(_quantized(kernels.paged_decode_attention_quantized))
     if cache.key.dtype != dtype and cache.key.dtype not in READABLE_CACHE_DTYPES.get(dtype, ()):
         return None
-    return _unquantized(kernels.paged_decode_attention)
+    return _with_shared_prefixes(_unquantized(kernels.paged_decode_attention))
+
+
+_NO_SHARED_PREFIXES = (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+
+
+def _with_shared_prefixes(kernel):
+    def call(q, cache: LayerKVCache, block_tables, context_lens, scale, sliding_window, shared_prefixes=None):
+        return kernel(q, cache, block_tables, context_lens, scale, sliding_window,
+                      *(shared_prefixes or _NO_SHARED_PREFIXES))
+    return call
 
 
 def kv_writer(kernels, cache: LayerKVCache):

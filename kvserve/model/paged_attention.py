@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_storage import LayerKVCache
 
 
 @dataclass(slots=True)
@@ -59,6 +59,10 @@ class DecodeGroup:
     # The portable path gathers at most this many padded context tokens per layer at once (whole sequences, at
     # least one), so its transient copy is bounded whatever the batch; None: every sequence at once.
     max_gather_tokens: int | None = None
+    # Groups of decodes whose leading blocks are the same (engine/shared_prefix.py), as the kernel takes them:
+    # (tokens each reads once for its whole group [num_decodes], its group's first member [num_decodes]); None:
+    # every decode reads its own context.
+    shared_prefixes: tuple[torch.Tensor, torch.Tensor] | None = None
     # A single chunk's gather plan, built on first use and shared by every layer of the step.
     _gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -157,7 +161,7 @@ def _decode(attn, q: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup, o
     q_dec = q[:num_decodes]
     if group.kernel is not None:
         result = group.kernel(q_dec.contiguous(), kv_cache, group.block_tables, group.context_lens, attn.scale,
-                              group.sliding_window or 0)
+                              group.sliding_window or 0, group.shared_prefixes)
         out[:num_decodes] = result.view(num_decodes, -1)
         return
     out[:num_decodes] = _decode_portable(attn, q_dec, kv_cache, group)

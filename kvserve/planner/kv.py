@@ -186,7 +186,8 @@ def kv_key_staging_bytes(
     pipeline_parallel_size: int = 1,
 ) -> int:
     """Bytes beside the pool that a format scaling keys per block keeps: the unquantized keys of the blocks still
-    filling (key_staging_rows of them; cache/key_staging.py), in the KV dtype, every layer. 0 for other formats."""
+    filling (key_staging_rows of them; cache/storage/key_staging.py), in the KV dtype, every layer. 0 for other
+    formats."""
     fmt = kv_format(kv_cache_dtype, model_dtype)
     if not fmt.keys_per_block:
         return 0

@@ -60,9 +60,17 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if stats_task is not None:
-            stats_task.cancel()
-        # uvicorn has already waited (up to --shutdown-timeout) for in-flight HTTP requests; what is left is aborted.
-        await ctx.engine.shutdown(grace_period_s=0.0)
-        if ctx.request_log is not None:
-            ctx.request_log.close()  # flushes what is queued
+        try:
+            if stats_task is not None:
+                stats_task.cancel()
+            # uvicorn has already waited (up to --shutdown-timeout) for in-flight HTTP requests; what is left is
+            # aborted.
+            await ctx.engine.stop(grace_period_s=0.0)
+        finally:
+            try:
+                # Before the engine saves its KV tiers (up to --kv-disk-save-timeout): a pod killed at the end of
+                # its grace period, or a save that fails, must not cost the log what was served.
+                if ctx.request_log is not None:
+                    ctx.request_log.close()  # flushes what is queued
+            finally:
+                await ctx.engine.close()

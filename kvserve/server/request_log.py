@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvserve.engine.outputs import RequestOutput
+from kvserve.private_paths import make_private_folders
 from kvserve.server.bounded_queue import BoundedQueue
 from kvserve.server.log_throttle import ThrottledWarning
 from kvserve.server.prompts import Prompt
@@ -110,17 +111,6 @@ def open_private_append(path: Path):
     make_private_folders(path.parent)
     descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     return os.fdopen(descriptor, "a", encoding="utf-8", buffering=WRITE_BUFFER_BYTES)
-
-
-def make_private_folders(folder: Path) -> None:
-    """Creates the missing folders of `folder`, each 0700 (os.makedirs gives its `mode` only to the last one);
-    folders that exist are left as they are."""
-    missing = []
-    while not folder.exists():
-        missing.append(folder)
-        folder = folder.parent
-    for each in reversed(missing):
-        each.mkdir(mode=0o700, exist_ok=True)
 
 
 def approximate_bytes(entry: LoggedRequest) -> int:

@@ -10,7 +10,7 @@ import torch
 from kernel_families import FAMILIES, kernels_for
 
 from kvserve import LLM
-from kvserve.cache.kv_storage import allocate_kv_storage
+from kvserve.cache.storage.kv_storage import allocate_kv_storage
 from kvserve.model.attention import Attention, AttentionMetadata
 from kvserve.model.cpu_kernels import kv_writer, prefill_kernel
 from kvserve.model.paged_attention import PagedAttentionMetadata, PrefillGroup, PrefillSegment, paged_attention

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvserve.cache.kv_quant import QUANTIZED_KV_DTYPES, codec_for, decode_scale_byte, rotation_matrix
-from kvserve.cache.kv_storage import LayerKVCache, allocate_kv_storage
+from kvserve.cache.storage.kv_quant import QUANTIZED_KV_DTYPES, codec_for, decode_scale_byte, rotation_matrix
+from kvserve.cache.storage.kv_storage import allocate_kv_storage
 from kvserve.cli import main as kvserve_main
 from kvserve.engine.llm import LLM
 from kvserve.engine.sampling_params import SamplingParams
@@ -16,7 +16,7 @@ from kvserve.model.cpu_kernels import decode_kernel, prefill_kernel
 from kvserve.planner.kv import kv_block_bytes
 from kvserve.planner.specs import spec_from_hf_config
 
-from attention_reference import PREFILL_CASES, Spec, check_prefill, reference
+from attention_reference import PREFILL_CASES, Spec, check_prefill, quantized_cache, reference
 from kernel_families import FAMILIES, kernels_for
 
 FORMATS = pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES)
@@ -50,7 +50,7 @@ def test_fp8_saturates_instead_of_overflowing_and_zero_stays_zero():
 
 
 def test_int8_scale_byte_rounds_up_by_at_most_an_eighth():
-    from kvserve.cache.kv_quant import decode_scale_byte, encode_scale_byte
+    from kvserve.cache.storage.kv_quant import decode_scale_byte, encode_scale_byte
 
     scales = torch.logspace(-5.5, 3, 2000, base=10)
     decoded = decode_scale_byte(encode_scale_byte(scales))
@@ -76,21 +76,6 @@ def test_pool_allocates_the_planners_bytes_per_block(tiny_model_dir, kv_dtype):
                                  torch.float32, "cpu", kv_dtype)
     allocated = sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors())
     assert allocated == num_blocks * kv_block_bytes(spec, block_size, kv_dtype)
-
-
-def quantized_cache(kv_dtype, num_blocks, kv_heads, head_dim, generator, block_size=16):
-    """A quantized cache filled with random K/V, and the same K/V decoded into an fp32 cache (the reference)."""
-    cache = allocate_kv_storage(1, num_blocks, block_size, kv_heads, head_dim, torch.float32, "cpu", kv_dtype)[0]
-    if cache.key_tensor_scale is not None:  # fp8: scales other than 1, so the kernels must apply them
-        cache.key_tensor_scale.fill_(0.02)
-        cache.value_tensor_scale.fill_(0.01)
-    slots = torch.arange(num_blocks * block_size)
-    shape = (len(slots), kv_heads, head_dim)
-    cache.write(slots, torch.randn(shape, generator=generator) * 2, torch.randn(shape, generator=generator))
-    keys, values = cache.gather(slots, torch.float32)
-    dense = LayerKVCache(keys.view(num_blocks, block_size, kv_heads, head_dim),
-                         values.view(num_blocks, block_size, kv_heads, head_dim))
-    return cache, dense
 
 
 @FAMILIES

@@ -2,12 +2,14 @@
 that never evicts gives; the disk tier survives a restart and never reads a file that does not match."""
 
 import logging
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from kvserve.cache.disk_tier import LAYOUT_VERSION, MAGIC, SUFFIX, encode_block_file
+from kvserve.cache.storage.block_file import LAYOUT_VERSION, MAGIC, SUFFIX, encode_block_file
 from kvserve.engine.llm import LLM
 from kvserve.engine.sampling_params import SamplingParams
 
@@ -74,17 +76,57 @@ def test_quantized_blocks_offload_and_load_back_as_they_are(model):
     assert tokens(resumed) == expected and sum(o.tier_loaded_tokens.get("host", 0) for o in resumed) > 0
 
 
-def test_disk_tier_survives_a_restart(model, never_evicting, tmp_path):
+@pytest.mark.parametrize("recopied", [False, True])
+def test_disk_tier_survives_a_restart(model, never_evicting, tmp_path, recopied):
     turns, expected = never_evicting
     first = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
     first_turns(first)
     first.close()  # the pool's and the host tier's blocks are written out too
+    if recopied:  # the checkpoint copied again (a new pod, a restored volume): same bytes, new times
+        later = time.time() + 3600
+        for file in Path(model).iterdir():
+            os.utime(file, (later, later))
     restarted = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
     resumed = second_turns(restarted, turns)
     assert tokens(resumed) == expected
     history_tokens = 4 * 144
     loaded = sum(o.tier_loaded_tokens.get("disk", 0) for o in resumed)
     assert loaded >= 0.9 * history_tokens
+
+
+def test_a_changed_checkpoint_or_kv_format_leaves_no_orphans(model, tmp_path):
+    """Blocks another fingerprint wrote are removed at start: a new KV format does not grow the folder by a
+    --kv-disk-size each time."""
+    first = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
+    first_turns(first)
+    first.close()
+    written = {path.name for path in tmp_path.glob(f"*{SUFFIX}")}
+    assert written
+    other_format = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), kv_cache_dtype="int8",
+                       **COMMON)
+    try:
+        assert not written & {path.name for path in tmp_path.glob(f"*{SUFFIX}")}
+    finally:
+        other_format.close()
+
+
+def test_shutdown_saving_stops_at_its_timeout(model, tmp_path, caplog):
+    def saved_at_close(timeout: float) -> tuple[int, int]:
+        folder = tmp_path / f"timeout-{timeout}"
+        llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(folder), kv_disk_save_timeout=timeout,
+                  **COMMON)
+        first_turns(llm)
+        llm.engine.tiers.tier("disk").flush()
+        before = len(list(folder.glob(f"*{SUFFIX}")))  # what evictions wrote while serving
+        llm.close()
+        return before, len(list(folder.glob(f"*{SUFFIX}")))
+
+    with caplog.at_level(logging.WARNING, logger="kvserve.cache"):
+        before, after = saved_at_close(0)
+    assert after == before  # the pool's cached blocks were not saved: the deadline had passed
+    assert any("deadline" in record.message for record in caplog.records)
+    before, after = saved_at_close(30)
+    assert after > before
 
 
 def _write_files(folder: Path, payload_bytes: int, fingerprint: str) -> dict[str, Path]:
@@ -103,11 +145,11 @@ def _write_files(folder: Path, payload_bytes: int, fingerprint: str) -> dict[str
     return paths
 
 
-def test_bad_tier_files_are_ignored_and_recomputed(model, never_evicting, tmp_path, caplog):
+def test_bad_tier_files_are_removed_and_recomputed(model, never_evicting, tmp_path, caplog):
     turns, expected = never_evicting
     first = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
     first_turns(first)
-    disk = first.engine.tiers.disk
+    disk = first.engine.tiers.tier("disk")
     first.close()
     bad = _write_files(tmp_path, disk.payload_bytes, disk.fingerprint)
     # A real block whose payload got corrupted after it was written: its header still matches.
@@ -117,7 +159,8 @@ def test_bad_tier_files_are_ignored_and_recomputed(model, never_evicting, tmp_pa
     victim.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="kvserve.cache"):
         restarted = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(tmp_path), **COMMON)
-        assert restarted.engine.tiers.disk.ignored_files == len(bad)
+        assert restarted.engine.tiers.tier("disk").removed_files == len(bad)
+        assert not any(path.exists() for path in bad.values())
         resumed = second_turns(restarted, turns)
     assert tokens(resumed) == expected  # never wrong K/V: the corrupt block was recomputed
     assert any("corrupt" in record.message for record in caplog.records)
@@ -137,7 +180,7 @@ def test_a_full_disk_degrades_to_recompute(model, never_evicting, tmp_path, capl
         with caplog.at_level(logging.WARNING, logger="kvserve.cache"):
             llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_disk_path=str(mount_point), **COMMON)
             first_turns(llm)
-            llm.engine.tiers.disk.flush()
+            llm.engine.tiers.tier("disk").flush()
             assert tokens(second_turns(llm, turns)) == expected
             llm.close()
         assert any("cannot write" in record.message for record in caplog.records)
@@ -152,8 +195,8 @@ def test_tier_size_limits_hold(model, tmp_path):
     llm = LLM(model, num_gpu_blocks_override=SMALL_POOL, kv_offloading_size=3 * block.payload_bytes / gib,
               kv_disk_path=str(tmp_path), kv_disk_size=5.5 * (block.payload_bytes + 300) / gib, **COMMON)
     first_turns(llm)
-    llm.engine.tiers.disk.flush()
-    host, disk = llm.engine.tiers.host, llm.engine.tiers.disk
+    llm.engine.tiers.tier("disk").flush()
+    host, disk = llm.engine.tiers.tier("host"), llm.engine.tiers.tier("disk")
     assert 0 < host.used_bytes <= 3 * block.payload_bytes and len(host.entries) <= 3
     on_disk = sum(f.stat().st_size for f in tmp_path.glob(f"*{SUFFIX}"))
     assert 0 < on_disk == disk.used_bytes <= disk.capacity_bytes

@@ -171,7 +171,7 @@ def test_random_add_abort_step_keeps_pool_invariants(tiny_model_dir, kv_cache_dt
         engine.kv_cache.check_invariants()
     assert all_free(llm)
     if llm.engine.tiers is not None:  # nothing leaked in the tier: its bytes are its entries', within capacity
-        host = llm.engine.tiers.host
+        host = llm.engine.tiers.tier("host")
         assert host.used_bytes == sum(p.numel() for p in host.entries.values()) <= host.capacity_bytes
     for output in finished:
         if output.prompt_logprobs is not None and output.outputs[0].finish_reason != "abort":

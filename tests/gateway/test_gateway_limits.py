@@ -12,7 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from gateway_harness import MODEL_NAME, backends_fixture, gateway_settings, needs_redis, redis_fixture, start_gateway
+from gateway_harness import (
+    MODEL_NAME, backends_fixture, gateway_settings, needs_redis, redis_fixture, start_gateway, start_of_a_window,
+)
 from server_harness import assert_envelope, slowed, wait_until
 
 from kvserve.gateway.keys import create_key
@@ -45,13 +47,6 @@ def new_key(redis, tokens_per_minute: int) -> tuple[str, str]:
     return asyncio.run(create())
 
 
-def start_of_a_window() -> int:
-    """The current window, waited for if this one is nearly over (every request of a test falls in one)."""
-    if time.time() % WINDOW_S > WINDOW_S - 20:
-        time.sleep(WINDOW_S - time.time() % WINDOW_S + 0.1)
-    return int(time.time() // WINDOW_S)
-
-
 def tokens_counted(redis, key_id: str, window: int) -> int:
     return int(redis.cli("GET", f"{PREFIX}counter:{key_id}:tokens:{window}").strip() or 0)
 
@@ -79,9 +74,15 @@ def request_tokens(gateway, key: str, index: int) -> tuple[int, int]:
 def test_a_burst_is_served_at_most_the_tokens_per_minute_and_the_rest_get_429(gateway, redis):
     limit = 400
     key, key_id = new_key(redis, limit)
+    assert_burst_held(redis, key_id, limit, lambda index: request_tokens(gateway, key, index))
+
+
+def assert_burst_held(redis, key_id: str, limit: int, send) -> None:
+    """16 requests at once, `send(index)` -> (status, tokens served): some served, the rest 429, at most `limit`
+    tokens served in the window, and the window's counter settled to exactly what was served."""
     window = start_of_a_window()
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda index: request_tokens(gateway, key, index), range(16)))
+        results = list(pool.map(send, range(16)))
     assert int(time.time() // WINDOW_S) == window
     statuses = [status for status, _ in results]
     served = sum(tokens for _, tokens in results)
@@ -122,3 +123,38 @@ def test_a_stream_cut_short_is_charged_what_was_sent(gateway, backends, redis, m
     assert wait_until(settled, timeout_s=15)
     charged = tokens_counted(redis, key_id, window)
     assert charged > 16 + 8 + len("a long answer please")  # its prompt and what it was sent: not nothing
+
+
+def store_histories(redis, key_id: str, conversation_ids: list[str], history: list[dict]) -> None:
+    from kvserve.gateway.conversation import stored_id
+
+    async def store_all():
+        store = RedisStore(redis.url, StoreLimits())
+        try:
+            for conversation_id in conversation_ids:
+                await store.conversation_append(stored_id(conversation_id, key_id), history)
+        finally:
+            await store.close()
+
+    asyncio.run(store_all())
+
+
+def test_a_burst_of_conversation_turns_is_held_to_the_limit_with_their_histories(gateway, redis):
+    """A turn sends only its new message; the stored history the gateway puts before it is a prompt too, known
+    only after admission. It must count against the limit before the turn is sent, or a burst of short turns on
+    long conversations is all admitted and served many times the limit."""
+    limit = 600
+    key, key_id = new_key(redis, limit)
+    conversations = [f"long-{index}" for index in range(16)]
+    said = "Tell me about the paged block pool and how prefix caching shares blocks between requests. " * 2
+    store_histories(redis, key_id, conversations, [{"role": "user", "content": said},
+                                                   {"role": "assistant", "content": "Blocks are shared."}])
+
+    def turn(index: int) -> tuple[int, int]:
+        response = httpx.post(f"{gateway.base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                              timeout=60, json={"model": MODEL_NAME, "max_tokens": 4, "ignore_eos": True,
+                                                "messages": [{"role": "user", "content": "Go on."}],
+                                                "conversation": conversations[index]})
+        return response.status_code, response.json()["usage"]["total_tokens"] if response.status_code == 200 else 0
+
+    assert_burst_held(redis, key_id, limit, turn)

@@ -232,6 +232,33 @@ def test_rate_windows_count_requests_and_tokens_per_minute(store):
     asyncio.run(scenario())
 
 
+def test_a_conversations_history_is_reserved_before_its_turn_or_refused(store):
+    from kvserve.gateway.limits import reserve_more
+    from kvserve.gateway.token_budget import TokenReservation
+
+    async def scenario():
+        await store.counter_add("k:tokens:1", 30, 65)  # as admission reserved a turn's 10 + 20
+        turn = TokenReservation("k:tokens:1", 30, 10)
+        fits, too_much = await reserve_more(store, turn, 50, 100), await reserve_more(store, turn, 30, 100)
+        await store.counter_add("k:tokens:2", 100, 65)  # a turn without max_tokens took the whole window
+        whole = TokenReservation("k:tokens:2", 100, 10, open_ended=True)
+        open_fits, open_too_much = await reserve_more(store, whole, 89, 100), await reserve_more(store, whole, 1, 100)
+        counters = [await store.counter_get("k:tokens:1"), await store.counter_get("k:tokens:2")]
+        return fits, too_much, open_fits, open_too_much, counters, turn.prompt_tokens
+
+    # Counted before the check (the caller refunds a refused one); the whole window already holds a history.
+    assert asyncio.run(scenario()) == (True, False, True, False, [110, 100], 90)
+
+
+def test_chat_fields_a_template_renders_count_toward_the_token_cost():
+    from kvserve.gateway.token_budget import request_cost
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "x" * 5000}}]
+    extra = request_cost({**body, "tools": tools}, chat=True).prompt_tokens - request_cost(body, chat=True).prompt_tokens
+    assert extra > 5000
+
+
 def test_conversations_keep_order_and_their_bound(store):
     async def scenario():
         await store.conversation_append("c", [{"role": "user", "content": str(i)} for i in range(3)])
@@ -473,15 +500,25 @@ def test_both_stores_read_a_requests_whole_state_alike(tmp_path):
                           (None, 0, 0, 0, None, [], [None]), (None, 0, 0, 0, None, [], [])]
 
 
-def test_every_redis_key_is_in_one_cluster_slot_so_redis_cluster_takes_every_script(tmp_path):
+def test_a_redis_cluster_is_found_and_followed_and_every_key_is_in_the_one_slot(tmp_path):
+    """Three masters, the URL naming one without the {kvgw} slot (a plain client gets MOVED there): the store finds
+    the node to be a cluster node and follows the slot map; every script, transaction and MGET is taken (no
+    CROSSSLOT) and reads alike as on one Redis; every key is in the one slot, on the node holding it."""
+    from redis import Redis
     from redis.crc import key_slot
+    from redis.exceptions import MovedError
 
-    from gateway_harness import start_redis
+    from gateway_harness import start_redis, start_redis_cluster
 
-    from kvserve.gateway.store import RedisStore
+    from kvserve.gateway.store import RedisStore, connect_store
 
     needs_redis_server()
-    plain, cluster = start_redis(tmp_path / "plain"), start_redis(tmp_path / "cluster", cluster=True)
+    plain = start_redis(tmp_path / "plain")
+    try:
+        cluster = start_redis_cluster(tmp_path / "cluster")
+    except BaseException:
+        plain.stop()
+        raise
 
     async def more_writes(store) -> None:  # what read_whole_states does not: a moved session, the counts
         await store.set_session("s1", "http://b", "http://a")
@@ -489,32 +526,64 @@ def test_every_redis_key_is_in_one_cluster_slot_so_redis_cluster_takes_every_scr
         assert [e and e[0] for e in await store.prefix_lookup(["h1", "h9"])] == ["http://a", None]
         await store.close()
 
+    async def on_cluster(scenario):
+        store = await connect_store(cluster.url, "", StoreLimits())
+        assert isinstance(store, RedisStore) and store.cluster
+        return await scenario(store)
+
     try:
+        with pytest.raises(MovedError):  # what a single-node client meets at this URL
+            Redis.from_url(cluster.url).hlen("{kvgw}:keys")
         from_plain = asyncio.run(read_whole_states(RedisStore(plain.url, StoreLimits())))
-        # A cluster refuses a script, MULTI or MGET whose keys are in two slots (CROSSSLOT) on one node as on many.
-        assert asyncio.run(read_whole_states(RedisStore(cluster.url, StoreLimits()))) == from_plain
-        asyncio.run(more_writes(RedisStore(cluster.url, StoreLimits())))
-        slots = {key_slot(name.encode()) for name in cluster.cli("KEYS", "*").split()}
+        assert asyncio.run(on_cluster(read_whole_states)) == from_plain
+        asyncio.run(on_cluster(more_writes))
+        owner = cluster.owner_of("{kvgw}")
+        slots = {key_slot(name.encode()) for name in owner.keys()}
+        elsewhere = [name for node in cluster.nodes if node is not owner for name in node.keys()]
     finally:
         plain.stop()
         cluster.stop()
-    assert slots == {key_slot(b"{kvgw}")}
+    assert slots == {key_slot(b"{kvgw}")} and elsewhere == []
 
 
-def test_api_keys_and_conversations_of_the_untagged_layout_are_moved(tmp_path):
+def test_a_single_redis_is_not_taken_for_a_cluster(tmp_path):
     from gateway_harness import start_redis
 
-    from kvserve.gateway.store import RedisStore
+    from kvserve.gateway.store import connect_store
 
     needs_redis_server()
     redis = start_redis(tmp_path / "redis")
+
+    async def cluster_flags() -> list[bool]:
+        flags = []
+        for mode in ("auto", "no"):
+            store = await connect_store(redis.url, "", StoreLimits(), mode)
+            flags.append(store.cluster)
+            await store.close()
+        return flags
+
+    try:
+        assert asyncio.run(cluster_flags()) == [False, False]
+    finally:
+        redis.stop()
+
+
+@pytest.mark.parametrize("kind", ["single", "cluster"])
+def test_api_keys_and_conversations_of_the_untagged_layout_are_moved(tmp_path, kind):
+    from gateway_harness import start_redis, start_redis_cluster
+
+    from kvserve.gateway.store import connect_store
+
+    needs_redis_server()
+    # On a cluster the old names are in other slots than the new ones: moved by copy, not RENAME.
+    redis = start_redis(tmp_path / "redis") if kind == "single" else start_redis_cluster(tmp_path / "cluster")
     record = {"key_id": "k1", "created_at": 1}
     redis.cli("HSET", "kvgw:keys", "k1", json.dumps(record))
     redis.cli("RPUSH", "kvgw:conversation:k1/c1", json.dumps({"role": "user", "content": "hi"}))
     redis.cli("EXPIRE", "kvgw:conversation:k1/c1", "500")
 
     async def scenario():
-        store = RedisStore(redis.url, StoreLimits())
+        store = await connect_store(redis.url, "", StoreLimits())
         moved = [await store.move_old_keys(), await store.move_old_keys()]
         found = (await store.key_get("k1"), await store.conversation_load("k1/c1"))
         await store.close()
@@ -523,7 +592,7 @@ def test_api_keys_and_conversations_of_the_untagged_layout_are_moved(tmp_path):
     try:
         moved, found = asyncio.run(scenario())
         ttl = int(redis.cli("TTL", "{kvgw}:conversation:k1/c1"))
-        left = redis.cli("KEYS", "kvgw:*").split()
+        left = redis.keys("kvgw:*")
     finally:
         redis.stop()
     assert moved == [(1, 1), (0, 0)]

@@ -3,6 +3,8 @@ block tables, in fp32."""
 
 import torch
 
+from kvserve.cache.storage.kv_storage import LayerKVCache, allocate_kv_storage
+
 
 class Spec:
     def __init__(self, num_heads, num_kv_heads, head_dim):
@@ -81,3 +83,18 @@ def check_prefill(kernel, cache, dtype, heads, kv_heads, head_dim, lengths, past
     tolerance = tolerance or (1e-5 if dtype == torch.float32 else 3e-2)
     assert (out[num_decode_rows:].float() - expected).abs().max().item() < tolerance
     assert (out[:num_decode_rows] == 7.0).all()
+
+
+def quantized_cache(kv_dtype, num_blocks, kv_heads, head_dim, generator, block_size=16):
+    """A quantized cache filled with random K/V, and the same K/V decoded into an fp32 cache (the reference)."""
+    cache = allocate_kv_storage(1, num_blocks, block_size, kv_heads, head_dim, torch.float32, "cpu", kv_dtype)[0]
+    if cache.key_tensor_scale is not None:  # fp8: scales other than 1, so the kernels must apply them
+        cache.key_tensor_scale.fill_(0.02)
+        cache.value_tensor_scale.fill_(0.01)
+    slots = torch.arange(num_blocks * block_size)
+    shape = (len(slots), kv_heads, head_dim)
+    cache.write(slots, torch.randn(shape, generator=generator) * 2, torch.randn(shape, generator=generator))
+    keys, values = cache.gather(slots, torch.float32)
+    dense = LayerKVCache(keys.view(num_blocks, block_size, kv_heads, head_dim),
+                         values.view(num_blocks, block_size, kv_heads, head_dim))
+    return cache, dense

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class RedisServer:
     port: int
     directory: Path
     process: subprocess.Popen
+    bus_port: int | None = None  # a cluster node's: what CLUSTER MEET must name
 
     @property
     def url(self) -> str:
@@ -41,23 +43,32 @@ class RedisServer:
                                 timeout=10, check=True)
         return result.stdout
 
+    def keys(self, pattern: str = "*") -> list[str]:
+        return self.cli("KEYS", pattern).split()
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=10)
 
 
-def start_redis(directory: Path, cluster: bool = False) -> RedisServer:
-    """`cluster`: a Redis Cluster of this one node, holding every slot: it refuses a command or script whose keys
-    are in different slots (CROSSSLOT) as a cluster of many nodes does, and a plain client can use it."""
+def start_redis(directory: Path) -> RedisServer:
+    """A single Redis (start_redis_cluster for a cluster)."""
+    return _redis_process(directory, cluster=False)
+
+
+def _redis_process(directory: Path, cluster: bool) -> RedisServer:
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    cluster_args = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"] if cluster else []
+    # The cluster bus port named too: Redis's default, port + 10000, may be taken or past 65535.
+    bus_port = free_port() if cluster else None
+    cluster_args = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                    "--cluster-port", str(bus_port)] if cluster else []
     process = subprocess.Popen(
         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory), "--save", "",
          "--appendonly", "no", "--protected-mode", "no", *cluster_args],
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    redis = RedisServer(port, directory, process)
+    redis = RedisServer(port, directory, process, bus_port)
 
     def answers() -> bool:
         try:
@@ -65,11 +76,76 @@ def start_redis(directory: Path, cluster: bool = False) -> RedisServer:
         except subprocess.CalledProcessError:
             return False
 
-    assert wait_until(answers, timeout_s=10), "redis-server did not start"
-    if cluster:
-        redis.cli("CLUSTER", "ADDSLOTSRANGE", "0", "16383")
-        assert wait_until(lambda: "cluster_state:ok" in redis.cli("CLUSTER", "INFO"), timeout_s=30), "no cluster"
+    if not wait_until(answers, timeout_s=10):
+        redis.stop()
+        raise AssertionError("redis-server did not start")
     return redis
+
+
+SLOTS = 16384
+
+
+def slot_range(index: int, masters: int) -> range:
+    return range(index * SLOTS // masters, (index + 1) * SLOTS // masters)
+
+
+@dataclass
+class RedisClusterNodes:
+    """A Redis Cluster of real redis-server processes, each a master of an equal share of the slots."""
+
+    nodes: list[RedisServer]
+
+    def owner_of(self, key: str) -> RedisServer:
+        from redis.crc import key_slot
+
+        slot = key_slot(key.encode())
+        return next(node for index, node in enumerate(self.nodes) if slot in slot_range(index, len(self.nodes)))
+
+    def url_without(self, key: str) -> str:
+        """The URL of a node that does not hold `key`'s slot: a plain client gets MOVED there."""
+        return next(node.url for node in self.nodes if node is not self.owner_of(key))
+
+    def cli(self, *args: str) -> str:
+        """redis-cli in cluster mode (-c): it follows MOVED to the node holding the key."""
+        result = subprocess.run([REDIS_CLI, "-c", "-p", str(self.nodes[0].port), "--raw", *args],
+                                capture_output=True, text=True, timeout=10, check=True)
+        return result.stdout
+
+    @property
+    def url(self) -> str:
+        return self.url_without("{kvgw}")  # every gateway key's slot: the URL only a cluster client can use
+
+    def keys(self, pattern: str = "*") -> list[str]:
+        return [name for node in self.nodes for name in node.keys(pattern)]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def start_redis_cluster(directory: Path, masters: int = 3) -> RedisClusterNodes:
+    """`masters` redis-servers in cluster mode, joined with CLUSTER MEET, node i holding the i-th equal range of
+    the slots (so owner_of can tell where a key lives), up when every node says cluster_state:ok."""
+    cluster = RedisClusterNodes([])
+    try:
+        nodes = cluster.nodes
+        for index in range(masters):
+            nodes.append(_redis_process(directory / f"node{index}", cluster=True))
+        for index, node in enumerate(nodes):
+            slots = slot_range(index, masters)
+            node.cli("CLUSTER", "ADDSLOTSRANGE", str(slots.start), str(slots.stop - 1))
+        for node in nodes[1:]:
+            node.cli("CLUSTER", "MEET", "127.0.0.1", str(nodes[0].port), str(nodes[0].bus_port))
+
+        def ready() -> bool:
+            return all("cluster_state:ok" in (info := node.cli("CLUSTER", "INFO"))
+                       and f"cluster_known_nodes:{masters}" in info for node in nodes)
+
+        assert wait_until(ready, timeout_s=30), "the cluster did not form"
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
 
 
 @dataclass
@@ -145,6 +221,15 @@ def stored_messages(gateway: RunningGateway, conversation_id: str) -> list[dict]
 def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     label_text = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     return samples.get(name + (f"{{{label_text}}}" if labels else ""), 0.0)
+
+
+def start_of_a_window() -> int:
+    """The current rate-limit window, waited for if this one is nearly over (every request of a test falls in one)."""
+    from kvserve.gateway.limits import WINDOW_S
+
+    if time.time() % WINDOW_S > WINDOW_S - 20:
+        time.sleep(WINDOW_S - time.time() % WINDOW_S + 0.1)
+    return int(time.time() // WINDOW_S)
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> None:

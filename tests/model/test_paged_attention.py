@@ -6,9 +6,11 @@ import torch
 from attention_reference import PREFILL_CASES, Spec, check_prefill, reference
 from kernel_families import FAMILIES, kernels_for
 
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_storage import LayerKVCache
 from kvserve.model.cpu_kernels import prefill_kernel
 from kvserve.model.paged_attention import DecodeGroup, _decode_portable
+
+NONE = torch.empty(0, dtype=torch.long)  # no shared prefixes (tests/model/test_shared_prefix_decode.py has them)
 
 
 
@@ -60,7 +62,7 @@ def test_decode_kernel_matches_dense_attention(isa, dtype, cache_dtype, heads, k
     cache, tables, lens, q = decode_case(dtype, heads, kv_heads, head_dim, window, cache_dtype)
     spec = Spec(heads, kv_heads, head_dim)
     expected = reference(q, cache, tables, lens, spec, 16, window)
-    got = kernels.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0)
+    got = kernels.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0, NONE, NONE)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     assert (got.view(q.shape[0], -1).float() - expected).abs().max().item() < tolerance
 
@@ -111,7 +113,7 @@ def test_decode_kernel_splits_few_long_contexts_and_merges_them(isa, dtype, wind
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(4)  # 2 tasks for 4 threads: up to 4 parts each
-        got = kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0)
+        got = kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, window or 0, NONE, NONE)
     finally:
         torch.set_num_threads(threads)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2

@@ -108,3 +108,23 @@ def test_a_full_disk_neither_stops_the_writer_nor_the_server(tiny_model_dir):
         assert request_log.writer_alive
     finally:
         server.stop()
+
+
+def test_the_log_is_closed_whatever_stopping_the_engine_does(tiny_model_dir, tmp_path, monkeypatch):
+    """Shutdown closes the request log before the engine saves its KV tiers, so a save that fails (here: the
+    disk tier's volume gone) or a pod killed while it saves costs the log nothing."""
+    folder, _ = tiny_model_dir("llama")
+    log_path = tmp_path / "requests.jsonl"
+    server = serve_with_log(folder, str(log_path))
+    request_log = server.server.config.app.state.ctx.request_log
+
+    def saving_fails():
+        raise OSError("the KV disk tier's volume is gone")
+
+    monkeypatch.setattr(server.engine.engine, "close", saving_fails)
+    try:
+        send_completions(server, 3)
+    finally:
+        server.stop()
+    assert not request_log.writer_alive
+    assert len(log_path.read_text().splitlines()) == 3

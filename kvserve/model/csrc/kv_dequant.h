@@ -1,4 +1,4 @@
-// Quantized KV rows -> fp32, for the kernels that read a quantized cache (kvserve/cache/kv_quant.py is the
+// Quantized KV rows -> fp32, for the kernels that read a quantized cache (kvserve/cache/storage/kv_quant.py is the
 // format's definition; this is its decoder, and the two are tested against each other).
 //
 // A row is one (slot, KV head) vector of `head_dim` elements:
@@ -183,7 +183,7 @@ struct Source {
   }
 };
 
-// Builds a Source from the tensors kvserve/cache/kv_storage.py keeps (scales may be an empty tensor for fp8).
+// Builds a Source from the tensors kvserve/cache/storage/kv_storage.py keeps (scales may be an empty tensor for fp8).
 // keys: this is K (int4 keys have their own layout).
 inline Source make_source(const torch::Tensor& data, const torch::Tensor& scales, double tensor_scale,
                           int64_t format, int64_t head_dim, bool keys) {

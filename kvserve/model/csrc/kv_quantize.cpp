@@ -1,5 +1,5 @@
 // Writing new K/V into the cache in one call per layer (CPU); for a quantized cache each (token, KV head) row is quantized
-// and stored at its slot, with its scales. Bit-identical to kvserve/cache/kv_quant.py's encoders (the same fp32
+// and stored at its slot, with its scales. Bit-identical to kvserve/cache/storage/kv_quant.py's encoders (the same fp32
 // operations in the same order, round half to even, fp16 and fp8 conversions by c10's), which replace the
 // chain of ~25 torch ops per layer and step that the portable path runs. Both multiply by the scale's
 // reciprocal rather than divide: -ffast-math would turn a division into that anyway, in some loops and not

@@ -309,6 +309,64 @@ void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
     return row;
   });
 }
+
+// Query rows from here on read a bf16 cache's values two tokens per vdpbf16ps, their probabilities rounded to bf16
+// (as flash attention rounds them on GPUs), instead of widening every value row to fp32 for each pair of rows:
+// worth it for the many rows of a shared prefix read for a whole group, where the widening dominates.
+constexpr int64_t kPairedValuesMinRows = 16;
+
+// Values pass over a bf16 cache: each pair of value rows (tokens t, t + 1) is interleaved once into 16-bit pairs
+// per channel (unpacklo/unpackhi per 128-bit lane, so each vector's lanes hold a fixed permutation of 16
+// channels), then every query row accumulates pairs x its probability pair. acc [group x kHeadDim] is written in
+// channel order.
+template <int kHeadDim>
+void values_bf16_pairs(const at::BFloat16* v_cache, const std::vector<int64_t>& offsets, const float* probs,
+                       int64_t group, int64_t num_tokens, float* acc, std::vector<float>& scratch) {
+  constexpr int kVectors = kHeadDim / 16;  // fp32 accumulators (and interleaved pair vectors) per row
+  const int64_t num_pairs = (num_tokens + 1) / 2;
+  // Interleaved value pairs [num_pairs x kVectors] of 64 bytes, then each row's probability pairs [group x num_pairs].
+  scratch.resize(num_pairs * kVectors * 16 + group * num_pairs + 16);
+  float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  __m512i* pairs = reinterpret_cast<__m512i*>(aligned);
+  uint32_t* prob_pairs = reinterpret_cast<uint32_t*>(aligned + num_pairs * kVectors * 16);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const at::BFloat16* first = v_cache + offsets[2 * p];
+    const bool odd_end = 2 * p + 1 == num_tokens;
+    for (int c = 0; c < kHeadDim / 32; ++c) {
+      const __m512i a = _mm512_loadu_si512(first + 32 * c);
+      const __m512i b = odd_end ? zero : _mm512_loadu_si512(v_cache + offsets[2 * p + 1] + 32 * c);
+      pairs[p * kVectors + 2 * c] = _mm512_unpacklo_epi16(a, b);
+      pairs[p * kVectors + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float* row = probs + g * num_tokens;
+    uint16_t* out = reinterpret_cast<uint16_t*>(prob_pairs + g * num_pairs);
+    int64_t t = 0;
+    for (; t + 32 <= num_tokens; t += 32)
+      _mm512_storeu_si512(out + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + t + 16), _mm512_loadu_ps(row + t)));
+    for (; t < 2 * num_pairs; ++t) out[t] = t < num_tokens ? at::BFloat16(row[t]).x : 0;
+  }
+  alignas(64) float lanes[kHeadDim];
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 sum[kVectors];
+    for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_setzero_ps();
+    const uint32_t* pp = prob_pairs + g * num_pairs;
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[p]));
+      for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_dpbf16_ps(sum[c], (__m512bh)pairs[p * kVectors + c], weight);
+    }
+    for (int c = 0; c < kVectors; ++c) _mm512_store_ps(lanes + 16 * c, sum[c]);
+    // Vector 2c (2c + 1) lane j holds channel 32c + 8 (j / 4) + j % 4 (+ 4): unpack's order, undone.
+    float* a = acc + g * kHeadDim;
+    for (int c = 0; c < kHeadDim / 32; ++c)
+      for (int j = 0; j < 16; ++j) {
+        a[32 * c + 8 * (j / 4) + j % 4] = lanes[32 * c + j];
+        a[32 * c + 8 * (j / 4) + 4 + j % 4] = lanes[32 * c + 16 + j];
+      }
+  }
+}
 #endif
 
 #if defined(__AVX512VNNI__)
@@ -908,6 +966,10 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
           visit(t, offsets[t]);
         }
       };
+      if constexpr (kBf16Scores) {
+        if (group >= kPairedValuesMinRows)
+          return values_bf16_pairs<kHeadDim>(v_cache, offsets, scores.data(), group, num_tokens, acc, row);
+      }
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup)
         values_avx512<scalar_t, kHeadDim>(v_cache, scores.data() + g0 * num_tokens, std::min<int64_t>(kMaxGroup, group - g0),
                                           num_tokens, acc + g0 * kHeadDim, for_each_prefetched);
@@ -957,25 +1019,30 @@ void decode_task_int4(const q_t* q, const kvq::Source& keys, const kvq::Source& 
 inline bool int4_in_place(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 #endif
 
+// One part's partial result for one pair's query rows: their unnormalised sums [group x head_dim], row maxima
+// and row sums. A shared-prefix part holds every member's rows; each member reads its own.
+struct PartialRows {
+  const float* sums;
+  const float* maxima;
+  const float* totals;
+};
+
 // Softmax-weighted sums over a whole context from its parts' partial results (flash-decoding's reduction):
 // each part's sums and row sum are rescaled by e^(part max - overall max).
 template <typename scalar_t>
-void merge_partials(const float* partials, int64_t num_parts, int64_t group, int64_t head_dim, scalar_t* out) {
-  const int64_t stride = group * (head_dim + 2);
+void merge_partials(const PartialRows* parts, int64_t num_parts, int64_t group, int64_t head_dim, scalar_t* out,
+                    std::vector<float>& weighted) {
+  weighted.resize(head_dim);
   for (int64_t g = 0; g < group; ++g) {
-    float overall_max = partials[group * head_dim + g];
-    for (int64_t i = 1; i < num_parts; ++i) overall_max = std::max(overall_max, partials[i * stride + group * head_dim + g]);
+    float overall_max = parts[0].maxima[g];
+    for (int64_t i = 1; i < num_parts; ++i) overall_max = std::max(overall_max, parts[i].maxima[g]);
     float total = 0.f;
-    float* weighted = const_cast<float*>(partials) + g * head_dim;  // part 0's sums become the result
+    std::fill(weighted.begin(), weighted.end(), 0.f);
     for (int64_t i = 0; i < num_parts; ++i) {
-      const float* part = partials + i * stride;
-      const float weight = std::exp(part[group * head_dim + g] - overall_max);
-      total += part[group * head_dim + group + g] * weight;
-      if (i == 0) {
-        for (int64_t d = 0; d < head_dim; ++d) weighted[d] *= weight;
-      } else {
-        for (int64_t d = 0; d < head_dim; ++d) weighted[d] += part[g * head_dim + d] * weight;
-      }
+      const float weight = std::exp(parts[i].maxima[g] - overall_max);
+      total += parts[i].totals[g] * weight;
+      const float* sums = parts[i].sums + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) weighted[d] += sums[d] * weight;
     }
     const float inv = 1.f / total;
     for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<scalar_t>(weighted[d] * inv);
@@ -990,47 +1057,161 @@ namespace {
 // each context is split into parts of at least kMinPartTokens, merged afterwards as flash decoding does;
 // `max_part_tokens` > 0 also caps a part's length (a quantized cache decodes each part into scratch that must
 // stay in L2).
-struct Part { int64_t seq, kv_head, first, end; };
-
-struct PartPlan {
-  std::vector<Part> parts;
-  std::vector<int64_t> pair_start;  // parts of pair p: [pair_start[p], pair_start[p + 1])
+//
+// Shared prefixes (cascade attention): decodes whose block tables begin with the same blocks (a long shared
+// system prompt) form a group. Each of the group's KV heads reads those blocks once for every member's query
+// rows together (a GQA group of members x group rows), in parts of its own; each member's own parts cover only
+// the tokens after them, and the merge combines both.
+struct Part {
+  int64_t seq, kv_head, first, end;
+  int64_t shared_group = -1;  // >= 0: a shared-prefix part of that group, whose leader is `seq`
 };
 
+struct SharedPrefixes {
+  const int64_t* lens = nullptr;     // [num_seqs] leading tokens read by the group's shared parts (0: no group)
+  const int64_t* leaders = nullptr;  // [num_seqs] the group's first member (any member's table reads the same)
+};
+
+struct PartPlan {
+  std::vector<Part> parts;           // every pair's own parts, in pair order, then the shared parts
+  std::vector<int64_t> pair_start;   // own parts of pair p: [pair_start[p], pair_start[p + 1])
+  int64_t num_own_parts = 0;
+  std::vector<std::vector<int64_t>> groups;  // members of each shared-prefix group
+  std::vector<int64_t> group_of, member_index;  // [num_seqs]: the sequence's group and place in it (-1: none)
+  std::vector<int64_t> shared_start;  // shared parts of (group, KV head) i: [shared_start[i], shared_start[i + 1])
+};
+
+// Parts of at least `min_tokens` (at most `max_part_tokens` when > 0) over [first, end), `wanted` if long enough.
+void split_context(std::vector<Part>& parts, Part whole, int64_t wanted, int64_t min_tokens, int64_t max_part_tokens) {
+  const int64_t length = whole.end - whole.first;
+  int64_t count = std::clamp<int64_t>(length / min_tokens, 1, wanted);
+  if (max_part_tokens > 0) count = std::max(count, (length + max_part_tokens - 1) / max_part_tokens);
+  for (int64_t i = 0; i < count; ++i) {
+    Part part = whole;
+    part.first = whole.first + length * i / count;
+    part.end = whole.first + length * (i + 1) / count;
+    parts.push_back(part);
+  }
+}
+
 PartPlan plan_parts(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads, int64_t sliding_window,
-                    int64_t max_part_tokens) {
+                    int64_t max_part_tokens, SharedPrefixes shared = {}) {
   const int64_t num_pairs = num_seqs * num_kv_heads, threads = at::get_num_threads();
   const int64_t wanted_parts = num_pairs >= 2 * threads ? 1 : (2 * threads + num_pairs - 1) / num_pairs;
   PartPlan plan;
+  plan.group_of.assign(num_seqs, -1);
+  plan.member_index.assign(num_seqs, -1);
+  for (int64_t seq = 0; seq < num_seqs && shared.lens; ++seq) {
+    if (shared.lens[seq] <= 0) continue;
+    const int64_t leader = shared.leaders[seq];
+    TORCH_CHECK(leader >= 0 && leader <= seq && shared.lens[leader] == shared.lens[seq],
+                "a shared-prefix group's leader must be its first member, with the same shared length");
+    TORCH_CHECK(shared.lens[seq] < lens[seq], "a shared prefix must leave each member its own tokens");
+    TORCH_CHECK(sliding_window <= 0, "shared prefixes are not read under a sliding window");
+    if (plan.group_of[leader] < 0) {
+      plan.group_of[leader] = static_cast<int64_t>(plan.groups.size());
+      plan.groups.emplace_back();
+    }
+    plan.group_of[seq] = plan.group_of[leader];
+    plan.member_index[seq] = static_cast<int64_t>(plan.groups[plan.group_of[seq]].size());
+    plan.groups[plan.group_of[seq]].push_back(seq);
+  }
   plan.pair_start.assign(num_pairs + 1, 0);
   for (int64_t pair = 0; pair < num_pairs; ++pair) {
     const int64_t seq = pair / num_kv_heads, context_len = lens[seq];
-    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
-    int64_t count = std::clamp<int64_t>((context_len - first) / kMinPartTokens, 1, wanted_parts);
-    if (max_part_tokens > 0) count = std::max(count, (context_len - first + max_part_tokens - 1) / max_part_tokens);
-    for (int64_t i = 0; i < count; ++i)
-      plan.parts.push_back({seq, pair % num_kv_heads, first + (context_len - first) * i / count,
-                            first + (context_len - first) * (i + 1) / count});
+    int64_t first = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
+    if (plan.group_of[seq] >= 0) first = shared.lens[seq];
+    split_context(plan.parts, {seq, pair % num_kv_heads, first, context_len}, wanted_parts, kMinPartTokens,
+                  max_part_tokens);
     plan.pair_start[pair + 1] = static_cast<int64_t>(plan.parts.size());
+  }
+  plan.num_own_parts = static_cast<int64_t>(plan.parts.size());
+  plan.shared_start.assign(plan.groups.size() * num_kv_heads + 1, plan.num_own_parts);
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
+    const int64_t leader = plan.groups[g][0];
+    for (int64_t head = 0; head < num_kv_heads; ++head) {
+      // A shared part scores every member's rows: as much work as one part per member, so split it finer.
+      const int64_t members = static_cast<int64_t>(plan.groups[g].size());
+      split_context(plan.parts, {leader, head, 0, shared.lens[leader], static_cast<int64_t>(g)}, 2 * threads,
+                    std::max<int64_t>(kMinPartTokens / members, 16), max_part_tokens);
+      plan.shared_start[g * num_kv_heads + head + 1] = static_cast<int64_t>(plan.parts.size());
+    }
   }
   return plan;
 }
 
-template <typename TaskFn, typename out_t>
-void run_parts(const PartPlan& plan, int64_t num_pairs, int64_t group, int64_t head_dim, out_t* out_ptr,
-               TaskFn&& task) {
-  const int64_t partial_size = group * (head_dim + 2);
-  std::vector<float> partials(plan.parts.size() * partial_size);
-  at::parallel_for(0, static_cast<int64_t>(plan.parts.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf, row, k_rows, v_rows;
-    std::vector<int64_t> offsets;
-    for (int64_t i = begin; i < end; ++i)
-      task(plan.parts[i], partials.data() + i * partial_size, scores, qf, row, offsets, k_rows, v_rows);
-  });
-  at::parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair)
-      merge_partials(partials.data() + plan.pair_start[pair] * partial_size,
-                     plan.pair_start[pair + 1] - plan.pair_start[pair], group, head_dim, out_ptr + pair * group * head_dim);
+SharedPrefixes shared_prefixes(const torch::Tensor& shared_lens, const torch::Tensor& shared_leaders,
+                               int64_t num_seqs) {
+  if (shared_lens.numel() == 0) return {};
+  TORCH_CHECK(shared_lens.scalar_type() == torch::kLong && shared_leaders.scalar_type() == torch::kLong &&
+              shared_lens.is_contiguous() && shared_leaders.is_contiguous() && shared_lens.numel() == num_seqs &&
+              shared_leaders.numel() == num_seqs, "shared_lens and shared_leaders: int64 [num_seqs] (or empty)");
+  return {shared_lens.data_ptr<int64_t>(), shared_leaders.data_ptr<int64_t>()};
+}
+
+// Runs every part (task(part, its query rows, their count, partial, scratch...)) and merges each pair's parts into
+// out [num_seqs, num_heads, head_dim]. A part's partial result holds its rows' [sums | maxima | totals].
+template <typename TaskFn, typename q_t>
+void run_parts(const PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+               const q_t* q, q_t* out_ptr, TaskFn&& task) {
+  const int64_t num_heads = num_kv_heads * group, num_parts = static_cast<int64_t>(plan.parts.size());
+  auto rows_of = [&](const Part& part) {
+    return part.shared_group < 0 ? group : static_cast<int64_t>(plan.groups[part.shared_group].size()) * group;
+  };
+  std::vector<int64_t> partial_at(num_parts + 1, 0);
+  for (int64_t i = 0; i < num_parts; ++i) partial_at[i + 1] = partial_at[i] + rows_of(plan.parts[i]) * (head_dim + 2);
+  std::vector<float> partials(partial_at.back());
+  // The members' query rows under each (group, KV head), side by side as one GQA group.
+  std::vector<int64_t> shared_q_at(plan.shared_start.size(), 0);
+  for (size_t i = 0; i + 1 < plan.shared_start.size(); ++i)
+    shared_q_at[i + 1] = shared_q_at[i] + static_cast<int64_t>(plan.groups[i / num_kv_heads].size()) * group * head_dim;
+  std::vector<q_t> shared_q(shared_q_at.back());
+  for (size_t i = 0; i + 1 < plan.shared_start.size(); ++i) {
+    const auto& members = plan.groups[i / num_kv_heads];
+    const int64_t head = static_cast<int64_t>(i) % num_kv_heads;
+    for (size_t m = 0; m < members.size(); ++m)
+      std::copy_n(q + (members[m] * num_heads + head * group) * head_dim, group * head_dim,
+                  shared_q.data() + shared_q_at[i] + static_cast<int64_t>(m) * group * head_dim);
+  }
+  auto run_range = [&](int64_t first, int64_t last) {
+    // Own parts and shared parts run in separate calls: each call divides its range evenly among the threads.
+    at::parallel_for(first, last, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, qf, row, k_rows, v_rows;
+      std::vector<int64_t> offsets;
+      for (int64_t i = begin; i < end; ++i) {
+        const Part& part = plan.parts[i];
+        const q_t* rows = part.shared_group < 0
+            ? q + (part.seq * num_heads + part.kv_head * group) * head_dim
+            : shared_q.data() + shared_q_at[part.shared_group * num_kv_heads + part.kv_head];
+        task(part, rows, rows_of(part), partials.data() + partial_at[i], scores, qf, row, offsets, k_rows, v_rows);
+      }
+    });
+  };
+  run_range(0, plan.num_own_parts);
+  if (num_parts > plan.num_own_parts) run_range(plan.num_own_parts, num_parts);
+  at::parallel_for(0, num_seqs * num_kv_heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<PartialRows> views;
+    std::vector<float> weighted;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      views.clear();
+      for (int64_t i = plan.pair_start[pair]; i < plan.pair_start[pair + 1]; ++i) {
+        const float* partial = partials.data() + partial_at[i];
+        views.push_back({partial, partial + group * head_dim, partial + group * head_dim + group});
+      }
+      const int64_t seq = pair / num_kv_heads, shared_group = plan.group_of[seq];
+      if (shared_group >= 0) {
+        const int64_t key = shared_group * num_kv_heads + pair % num_kv_heads;
+        const int64_t rows = static_cast<int64_t>(plan.groups[shared_group].size()) * group;
+        const int64_t row0 = plan.member_index[seq] * group;
+        for (int64_t i = plan.shared_start[key]; i < plan.shared_start[key + 1]; ++i) {
+          const float* partial = partials.data() + partial_at[i];
+          views.push_back({partial + row0 * head_dim, partial + rows * head_dim + row0,
+                           partial + rows * head_dim + rows + row0});
+        }
+      }
+      merge_partials(views.data(), static_cast<int64_t>(views.size()), group, head_dim,
+                     out_ptr + pair * group * head_dim, weighted);
+    }
   });
 }
 
@@ -1059,19 +1240,20 @@ template <typename q_t, typename cache_t>
 torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, const cache_t* v_cache,
                               int64_t block_size, int64_t num_kv_heads, const torch::Tensor& block_tables,
                               const torch::Tensor& context_lens, double scale, int64_t sliding_window,
-                              CacheScales cache_scales) {
+                              CacheScales cache_scales, SharedPrefixes shared) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const q_t* q_ptr = q.data_ptr<q_t>();
-  const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0);
+  const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0,
+                                   shared);
   const auto task_fn = decode_task_for<q_t, cache_t>(head_dim);
-  run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<q_t>(),
-            [&](const Part& part, float* partial, auto& scores, auto& qf, auto& row, auto& offsets, auto&, auto&) {
-              task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_cache, v_cache,
-                      tables + part.seq * max_blocks, part.end, part.first, block_size, num_kv_heads, part.kv_head,
-                      group, head_dim, static_cast<float>(scale), cache_scales, partial, scores, qf, row, offsets);
+  run_parts(plan, num_seqs, num_kv_heads, group, head_dim, q.data_ptr<q_t>(), out.data_ptr<q_t>(),
+            [&](const Part& part, const q_t* rows, int64_t num_rows, float* partial, auto& scores, auto& qf,
+                auto& row, auto& offsets, auto&, auto&) {
+              task_fn(rows, k_cache, v_cache, tables + part.seq * max_blocks, part.end, part.first, block_size,
+                      num_kv_heads, part.kv_head, num_rows, head_dim, static_cast<float>(scale), cache_scales, partial,
+                      scores, qf, row, offsets);
             });
   return out;
 }
@@ -1080,10 +1262,12 @@ torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, co
 
 // q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 (including the new token).
-// sliding_window <= 0 means none. Returns [num_seqs, num_heads, head_dim].
+// sliding_window <= 0 means none. shared_lens / shared_leaders: [num_seqs] int64, or empty for none: sequences
+// with the same leader (its first member) share their first shared_lens tokens' blocks, read once for all of
+// them (0: not in a group). Returns [num_seqs, num_heads, head_dim].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t sliding_window) {
+                                     int64_t sliding_window, torch::Tensor shared_lens, torch::Tensor shared_leaders) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() ||
@@ -1092,10 +1276,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               "the KV cache must be in the query's dtype, or bf16/fp16 under an fp32 query");
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
+  const SharedPrefixes shared = shared_prefixes(shared_lens, shared_leaders, q.size(0));
   auto run = [&](const auto* k_ptr, const auto* v_ptr, auto q_tag) {
     using q_t = decltype(q_tag);
     return decode_in_place<q_t>(q, k_ptr, v_ptr, block_size, num_kv_heads, block_tables, context_lens, scale,
-                                sliding_window, CacheScales{});
+                                sliding_window, CacheScales{}, shared);
   };
   if (k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat)
     return run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), float{});
@@ -1121,17 +1306,19 @@ constexpr int64_t kMaxDequantPartTokens = 256;  // 256 x 128 dims x 4 B x (K + V
 torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
                                                torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
                                                double v_tensor_scale, int64_t format, torch::Tensor block_tables,
-                                               torch::Tensor context_lens, double scale, int64_t sliding_window) {
+                                               torch::Tensor context_lens, double scale, int64_t sliding_window,
+                                               torch::Tensor shared_lens, torch::Tensor shared_leaders) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_data.size(1), num_kv_heads = k_data.size(2);
   check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
+  const SharedPrefixes shared = shared_prefixes(shared_lens, shared_leaders, num_seqs);
   const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim, true);
   const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim, false);
   // int8 and fp8 are read in place: their bytes are the cache's elements, their scales applied outside.
   auto in_place = [&](const auto* k_elements, const auto* v_elements, double query_scale, CacheScales cache_scales) {
     return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_in_place", [&] {
       return decode_in_place<scalar_t>(q, k_elements, v_elements, block_size, num_kv_heads, block_tables,
-                                       context_lens, query_scale, sliding_window, cache_scales);
+                                       context_lens, query_scale, sliding_window, cache_scales, shared);
     });
   };
   if (format == kvq::kInt8)
@@ -1151,29 +1338,28 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
   const int64_t* tables = block_tables.data_ptr<int64_t>();
 #if defined(KVSERVE_INT4_IN_PLACE)
   if (format == kvq::kInt4 && int4_in_place(head_dim)) {
-    const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0);
+    const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0,
+                                     shared);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_int4_in_place", [&] {
       const auto task_fn = head_dim == 64 ? decode_task_int4<scalar_t, 64> : decode_task_int4<scalar_t, 128>;
-      const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-      run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<scalar_t>(),
-                [&](const Part& part, float* partial, auto& scores, auto& qf, auto& scratch, auto& rows, auto&, auto&) {
-                  task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, keys, values,
-                          tables + part.seq * max_blocks, part.end, part.first, block_size, part.kv_head, group,
-                          static_cast<float>(scale), partial, scores, qf, rows, scratch);
+      run_parts(plan, num_seqs, num_kv_heads, group, head_dim, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                [&](const Part& part, const scalar_t* q_rows, int64_t num_rows, float* partial, auto& scores,
+                    auto& qf, auto& scratch, auto& rows, auto&, auto&) {
+                  task_fn(q_rows, keys, values, tables + part.seq * max_blocks, part.end, part.first, block_size,
+                          part.kv_head, num_rows, static_cast<float>(scale), partial, scores, qf, rows, scratch);
                 });
     });
     return out;
   }
 #endif
   const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window,
-                                   kMaxDequantPartTokens);
+                                   kMaxDequantPartTokens, shared);
   const int64_t one_block_table[1] = {0};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_quantized", [&] {
     const auto task_fn = decode_task_for<scalar_t, float>(head_dim);
-    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-    run_parts(plan, num_seqs * num_kv_heads, group, head_dim, out.data_ptr<scalar_t>(),
-              [&](const Part& part, float* partial, auto& scores, auto& qf, auto& row, auto& offsets, auto& k_rows,
-                  auto& v_rows) {
+    run_parts(plan, num_seqs, num_kv_heads, group, head_dim, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+              [&](const Part& part, const scalar_t* q_rows, int64_t num_rows, float* partial, auto& scores, auto& qf,
+                  auto& row, auto& offsets, auto& k_rows, auto& v_rows) {
                 const int64_t num_tokens = part.end - part.first;
                 const int64_t* table = tables + part.seq * max_blocks;
                 k_rows.resize(num_tokens * head_dim);
@@ -1190,9 +1376,8 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
                   keys.decode(slot, part.kv_head, k_rows.data() + t * head_dim);
                   values.decode(slot, part.kv_head, v_rows.data() + t * head_dim);
                 }
-                task_fn(q_ptr + (part.seq * num_heads + part.kv_head * group) * head_dim, k_rows.data(), v_rows.data(),
-                        one_block_table, num_tokens, 0, num_tokens, 1, 0, group, head_dim, static_cast<float>(scale),
-                        CacheScales{}, partial, scores, qf, row, offsets);
+                task_fn(q_rows, k_rows.data(), v_rows.data(), one_block_table, num_tokens, 0, num_tokens, 1, 0, num_rows,
+                        head_dim, static_cast<float>(scale), CacheScales{}, partial, scores, qf, row, offsets);
               });
   });
   return out;

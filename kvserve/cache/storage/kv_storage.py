@@ -1,6 +1,6 @@
 """The tensors behind the block pool: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, dim].
 
-`cache/` owns these tensors; the model's attention writes new K/V through a slot mapping (slot = block id x
+`cache/storage/` owns these tensors; the model's attention writes new K/V through a slot mapping (slot = block id x
 block_size + offset) and reads context through block tables. A quantized format (kv_quant.py) keeps its
 scales beside the data in the same object: per-vector scales as [num_blocks, block_size, kv_heads, groups]
 tensors that move with their blocks (int4 keys: per-channel bytes [num_blocks, kv_heads, 2, head_dim], which
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.key_staging import KeyStaging
-from kvserve.cache.kv_quant import KVCodec, codec_for, decode_int4_keys, encode_int4_key_block, rotation_matrix
+from kvserve.cache.storage.key_staging import KeyStaging
+from kvserve.cache.storage.kv_quant import KVCodec, codec_for, decode_int4_keys, encode_int4_key_block, rotation_matrix
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.cache.kv_storage import LayerKVCache
+from kvserve.cache.storage.kv_storage import LayerKVCache
 
 
 class BlockCopier:

@@ -1,67 +1,44 @@
-"""The disk tier: one file per block under `--kv-disk-path`, LRU within `--kv-disk-size`, surviving restarts.
+"""The disk tier: one file per block under `--kv-disk-path` (block_file.py), LRU within `--kv-disk-size`,
+surviving restarts. The folder belongs to the tier and to one process at a time (folder_lock.py).
 
-A file is `<hash hex>.kvblock`:
-
-    magic (8 B) | header length (4 B) | header JSON | payload
-
-The header carries the layout version, the fingerprint of what wrote it (model weights' identity, dtype, KV
-format, block size, shapes: see engine/tier_setup.py), the payload length and its xxh3-64 checksum. A file is
-only ever read into the pool when all of them match; anything else (partial, corrupt, another model, another
-format, an older layout) is ignored at start-up and recomputed, and a file found corrupt at read time is
-deleted. Files are written to a temporary name and renamed, on a worker thread; a full disk or any I/O error
-logs one warning and degrades to recompute, never fails a request.
+A file is only ever read into the pool when its layout, fingerprint, length and checksum all match. At start-up
+the tier removes what it cannot use: block files of another fingerprint (another model, checkpoint, KV format
+or layout), partial or corrupt ones, JSON headers of the wrong shape, and the temporaries of writes a killed
+process left; other files in the folder are left alone. A file found corrupt at read time is deleted and its
+tokens recomputed. Files are written 0600 to a temporary name, fsynced, then renamed, on a worker thread; a full
+disk or any I/O error logs one warning and degrades to recompute, never fails a request.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import xxhash
 
 from kvserve.cache.block_hash import BlockHash
+from kvserve.cache.storage.block_file import (LAYOUT_VERSION, SUFFIX, TEMPORARY_SUFFIX, block_hash_of,
+                                              encode_block_file, read_header)
+from kvserve.cache.storage.folder_lock import FolderLock
+from kvserve.cache.storage.tier import Evicted
 from kvserve.cache.tier_stats import TierStats
+from kvserve.private_paths import make_private_folders
 
 logger = logging.getLogger("kvserve.cache")
 
-MAGIC = b"KVSBLK01"
-LAYOUT_VERSION = 3  # 2: quantized keys are stored less their layer's key offset; 3: int4 keys per channel and block
-SUFFIX = ".kvblock"
 DEFAULT_DISK_BYTES_PER_S = 1e9  # until a read has been timed
-
-
-def encode_block_file(fingerprint: str, payload: bytes) -> bytes:
-    header = json.dumps({"layout": LAYOUT_VERSION, "fingerprint": fingerprint, "length": len(payload),
-                         "xxh3_64": xxhash.xxh3_64_hexdigest(payload)}).encode()
-    return MAGIC + struct.pack("<I", len(header)) + header + payload
-
-
-def read_header(handle) -> dict | None:
-    """The header of an open block file, or None when it is not one."""
-    if handle.read(len(MAGIC)) != MAGIC:
-        return None
-    raw_length = handle.read(4)
-    if len(raw_length) != 4:
-        return None
-    (length,) = struct.unpack("<I", raw_length)
-    if length > 4096:
-        return None
-    try:
-        return json.loads(handle.read(length))
-    except ValueError:
-        return None
 
 
 class DiskTier:
     name = "disk"
+    persistent = True
 
     def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str, payload_bytes: int) -> None:
         self.path = Path(path)
@@ -70,44 +47,52 @@ class DiskTier:
         self.payload_bytes = payload_bytes
         self.stats = TierStats()
         self.read_bytes_per_s = DEFAULT_DISK_BYTES_PER_S
-        self.ignored_files = 0
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.removed_files = 0  # at start-up: files of this tier it could not use
+        make_private_folders(self.path)
+        self._folder_lock = FolderLock(self.path)  # before anything is read or removed: raises if another holds it
         self.index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file bytes, least recent first
         self.used_bytes = 0
         self._pending: dict[BlockHash, torch.Tensor] = {}  # queued for the writer, readable meanwhile
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._warned = False
-        self._scan()
+        try:
+            self._scan()
+        except BaseException:
+            self._folder_lock.release()
+            raise
         self._writer = threading.Thread(target=self._write_loop, name="kvserve-disk-tier", daemon=True)
         self._writer.start()
 
     # ---- start-up ------------------------------------------------------------------------------------------
 
     def _scan(self) -> None:
-        """Indexes the files a previous run left that this run can read, oldest access first."""
+        """Indexes the files a previous run left that this run can read, oldest access first; removes the
+        tier's files it cannot use."""
         found = []
-        for file in self.path.glob(f"*{SUFFIX}"):
-            block_hash = self._hash_of(file)
-            if block_hash is not None and self._readable(file):
+        for file in self.path.iterdir():
+            block_hash = block_hash_of(file.name)
+            if block_hash is None:
+                continue  # not the tier's (the lock, an operator's note): left alone
+            if not file.name.endswith(TEMPORARY_SUFFIX) and self._readable(file):
                 stat = file.stat()
                 found.append((stat.st_mtime, block_hash, stat.st_size))
             else:
-                self.ignored_files += 1
+                self._remove(file)
         for _, block_hash, size in sorted(found):
             self.index[block_hash] = size
             self.used_bytes += size
         self._evict_over_capacity()
-        if self.index or self.ignored_files:
-            logger.info("KV disk tier %s: %d blocks from earlier runs, %d files ignored (another model, format or "
-                        "layout, or incomplete)", self.path, len(self.index), self.ignored_files)
+        if self.index or self.removed_files:
+            logger.info("KV disk tier %s: %d blocks from earlier runs; %d files removed (another model, format or "
+                        "layout, incomplete, or corrupt)", self.path, len(self.index), self.removed_files)
 
-    @staticmethod
-    def _hash_of(file: Path) -> BlockHash | None:
+    def _remove(self, file: Path) -> None:
         try:
-            return bytes.fromhex(file.name.removesuffix(SUFFIX))
-        except ValueError:
-            return None
+            file.unlink(missing_ok=True)
+            self.removed_files += 1
+        except OSError as exc:
+            logger.warning("KV disk tier: cannot remove %s (%s); it is ignored", file, exc)
 
     def _readable(self, file: Path) -> bool:
         try:
@@ -119,23 +104,33 @@ class DiskTier:
             return False
 
     def _header_matches(self, header: dict | None) -> bool:
-        return (header is not None and header.get("layout") == LAYOUT_VERSION
-                and header.get("fingerprint") == self.fingerprint and header.get("length") == self.payload_bytes)
+        return (header is not None and header["layout"] == LAYOUT_VERSION
+                and header["fingerprint"] == self.fingerprint and header["length"] == self.payload_bytes)
 
     # ---- the tier ------------------------------------------------------------------------------------------
 
-    def __contains__(self, block_hash: BlockHash) -> bool:
+    def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
         with self._lock:
-            return block_hash in self.index or block_hash in self._pending
+            return [block_hash in self.index or block_hash in self._pending for block_hash in hashes]
 
-    def put(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
+    def put(self, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> Evicted:
+        """Queues the blocks for the writer thread; what the disk must evict to make room is deleted there."""
+        for block_hash, payload in zip(hashes, payloads):
+            with self._lock:
+                if block_hash in self.index or block_hash in self._pending:
+                    continue
+                self._pending[block_hash] = payload
+            self._queue.put(block_hash)
+        return []
+
+    def get(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        return [self._get_one(block_hash) for block_hash in hashes]
+
+    def hashes(self) -> list[BlockHash]:
         with self._lock:
-            if block_hash in self.index or block_hash in self._pending:
-                return
-            self._pending[block_hash] = payload
-        self._queue.put(block_hash)
+            return [*self.index, *(block_hash for block_hash in self._pending if block_hash not in self.index)]
 
-    def get(self, block_hash: BlockHash) -> torch.Tensor | None:
+    def _get_one(self, block_hash: BlockHash) -> torch.Tensor | None:
         with self._lock:
             pending = self._pending.get(block_hash)
             if pending is not None:
@@ -187,10 +182,9 @@ class DiskTier:
     def _write(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         data = encode_block_file(self.fingerprint, payload.numpy().tobytes())
         file = self._file(block_hash)
-        temporary = file.with_suffix(".tmp")
+        temporary = file.with_name(file.name + TEMPORARY_SUFFIX)
         try:
-            with open(temporary, "wb") as handle:
-                handle.write(data)
+            write_durably(temporary, data)
             os.replace(temporary, file)
         except OSError as exc:
             temporary.unlink(missing_ok=True)
@@ -209,15 +203,34 @@ class DiskTier:
             self.used_bytes -= size
             self._file(old_hash).unlink(missing_ok=True)
 
-    def flush(self) -> None:
-        """Waits until every queued block is on disk (tests, shutdown)."""
+    def flush(self, deadline: float | None = None) -> bool:
+        """Waits until every queued block is on disk, or until `deadline` (time.monotonic()); True when it is."""
         while True:
             with self._lock:
                 if not self._pending:
-                    return
+                    return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             time.sleep(0.005)
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, deadline: float | None = None) -> None:
+        """Writes what is queued until `deadline`; what is left then is dropped (the writer finishes the one
+        file it is on, so no file is left half-written under its name). Then the folder is free for another
+        process."""
+        if not self.flush(deadline):
+            with self._lock:
+                self._pending.clear()
         self._queue.put(None)
         self._writer.join(timeout=10)
+        self._folder_lock.release()
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Writes a new file, the owner's alone (0600: it holds K/V computed from users' prompts), and fsyncs it, so
+    the rename that publishes it can never land before its bytes (a crash then leaves no empty or partial file
+    under the final name)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
