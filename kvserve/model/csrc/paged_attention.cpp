@@ -49,6 +49,11 @@ inline void to_float<Fp8E5m2>(const Fp8E5m2* src, float* dst, int64_t n) {
 // Asks for a cache row ahead of use: the context of a decode step is usually out of cache (30 layers of a
 // batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly.
 constexpr int64_t kPrefetchDistance = 64;  // tokens
+
+// Query rows from here on read a bf16 cache's values two tokens per vdpbf16ps, their probabilities rounded to bf16
+// (as flash attention rounds them on GPUs), instead of widening every value row to fp32 for each pair of rows:
+// worth it for the many rows of a shared prefix read for a whole group, where the widening dominates.
+constexpr int64_t kPairedValuesMinRows = 16;
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
   for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64)
@@ -310,10 +315,6 @@ void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
   });
 }
 
-// Query rows from here on read a bf16 cache's values two tokens per vdpbf16ps, their probabilities rounded to bf16
-// (as flash attention rounds them on GPUs), instead of widening every value row to fp32 for each pair of rows:
-// worth it for the many rows of a shared prefix read for a whole group, where the widening dominates.
-constexpr int64_t kPairedValuesMinRows = 16;
 
 // Values pass over a bf16 cache: each pair of value rows (tokens t, t + 1) is interleaved once into 16-bit pairs
 // per channel (unpacklo/unpackhi per 128-bit lane, so each vector's lanes hold a fixed permutation of 16
