@@ -49,11 +49,6 @@ inline void to_float<Fp8E5m2>(const Fp8E5m2* src, float* dst, int64_t n) {
 // Asks for a cache row ahead of use: the context of a decode step is usually out of cache (30 layers of a
 // batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly.
 constexpr int64_t kPrefetchDistance = 64;  // tokens
-
-// Query rows from here on read a bf16 cache's values two tokens per vdpbf16ps, their probabilities rounded to bf16
-// (as flash attention rounds them on GPUs), instead of widening every value row to fp32 for each pair of rows:
-// worth it for the many rows of a shared prefix read for a whole group, where the widening dominates.
-constexpr int64_t kPairedValuesMinRows = 16;
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
   for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64)
@@ -313,60 +308,6 @@ void scores_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
     row.scale = scale;
     return row;
   });
-}
-
-
-// Values pass over a bf16 cache: each pair of value rows (tokens t, t + 1) is interleaved once into 16-bit pairs
-// per channel (unpacklo/unpackhi per 128-bit lane, so each vector's lanes hold a fixed permutation of 16
-// channels), then every query row accumulates pairs x its probability pair. acc [group x kHeadDim] is written in
-// channel order.
-template <int kHeadDim>
-void values_bf16_pairs(const at::BFloat16* v_cache, const std::vector<int64_t>& offsets, const float* probs,
-                       int64_t group, int64_t num_tokens, float* acc, std::vector<float>& scratch) {
-  constexpr int kVectors = kHeadDim / 16;  // fp32 accumulators (and interleaved pair vectors) per row
-  const int64_t num_pairs = (num_tokens + 1) / 2;
-  // Interleaved value pairs [num_pairs x kVectors] of 64 bytes, then each row's probability pairs [group x num_pairs].
-  scratch.resize(num_pairs * kVectors * 16 + group * num_pairs + 16);
-  float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-  __m512i* pairs = reinterpret_cast<__m512i*>(aligned);
-  uint32_t* prob_pairs = reinterpret_cast<uint32_t*>(aligned + num_pairs * kVectors * 16);
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t p = 0; p < num_pairs; ++p) {
-    const at::BFloat16* first = v_cache + offsets[2 * p];
-    const bool odd_end = 2 * p + 1 == num_tokens;
-    for (int c = 0; c < kHeadDim / 32; ++c) {
-      const __m512i a = _mm512_loadu_si512(first + 32 * c);
-      const __m512i b = odd_end ? zero : _mm512_loadu_si512(v_cache + offsets[2 * p + 1] + 32 * c);
-      pairs[p * kVectors + 2 * c] = _mm512_unpacklo_epi16(a, b);
-      pairs[p * kVectors + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    const float* row = probs + g * num_tokens;
-    uint16_t* out = reinterpret_cast<uint16_t*>(prob_pairs + g * num_pairs);
-    int64_t t = 0;
-    for (; t + 32 <= num_tokens; t += 32)
-      _mm512_storeu_si512(out + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + t + 16), _mm512_loadu_ps(row + t)));
-    for (; t < 2 * num_pairs; ++t) out[t] = t < num_tokens ? at::BFloat16(row[t]).x : 0;
-  }
-  alignas(64) float lanes[kHeadDim];
-  for (int64_t g = 0; g < group; ++g) {
-    __m512 sum[kVectors];
-    for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_setzero_ps();
-    const uint32_t* pp = prob_pairs + g * num_pairs;
-    for (int64_t p = 0; p < num_pairs; ++p) {
-      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[p]));
-      for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_dpbf16_ps(sum[c], (__m512bh)pairs[p * kVectors + c], weight);
-    }
-    for (int c = 0; c < kVectors; ++c) _mm512_store_ps(lanes + 16 * c, sum[c]);
-    // Vector 2c (2c + 1) lane j holds channel 32c + 8 (j / 4) + j % 4 (+ 4): unpack's order, undone.
-    float* a = acc + g * kHeadDim;
-    for (int c = 0; c < kHeadDim / 32; ++c)
-      for (int j = 0; j < 16; ++j) {
-        a[32 * c + 8 * (j / 4) + j % 4] = lanes[32 * c + j];
-        a[32 * c + 8 * (j / 4) + 4 + j % 4] = lanes[32 * c + 16 + j];
-      }
-  }
 }
 #endif
 
@@ -967,10 +908,6 @@ void decode_task(const q_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
           visit(t, offsets[t]);
         }
       };
-      if constexpr (kBf16Scores) {
-        if (group >= kPairedValuesMinRows)
-          return values_bf16_pairs<kHeadDim>(v_cache, offsets, scores.data(), group, num_tokens, acc, row);
-      }
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup)
         values_avx512<scalar_t, kHeadDim>(v_cache, scores.data() + g0 * num_tokens, std::min<int64_t>(kMaxGroup, group - g0),
                                           num_tokens, acc + g0 * kHeadDim, for_each_prefetched);
@@ -1546,11 +1483,10 @@ int64_t small_batch_linear_max_rows();
 // argmax.cpp
 torch::Tensor first_argmax(torch::Tensor logits);
 
-// quant_linear.cpp
-void quant_linear_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch::Tensor bias, torch::Tensor out,
-                      int64_t col);
-void quant_rows_out(torch::Tensor blocks, int64_t type, torch::Tensor ids, torch::Tensor out);
-bool quant_linear_reads(int64_t type);
+// block_quant_linear.cpp
+torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor values, torch::Tensor scales, torch::Tensor mins,
+                                 torch::Tensor bias);
+int64_t block_quant_linear_max_rows();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
@@ -1578,8 +1514,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_linear_has_bf16_dot", &small_batch_linear_has_bf16_dot, "whether bf16 x bf16 uses AVX512-BF16");
   m.def("small_batch_linear_max_rows", &small_batch_linear_max_rows, "the most rows small_batch_linear takes");
   m.def("first_argmax", &first_argmax, "each row's first maximum, as torch.max(dim=-1).indices (CPU)");
-  m.def("quant_linear_out", &quant_linear_out,
-        "out[:, col:col+N] = x @ W.T (+ bias), W held as rows of GGUF blocks, any batch size (CPU)");
-  m.def("quant_rows_out", &quant_rows_out, "rows of a weight held as GGUF blocks, decoded (embedding lookup) (CPU)");
-  m.def("quant_linear_reads", &quant_linear_reads, "whether quant_linear reads this ggml type");
+  m.def("block_quant_linear", &block_quant_linear,
+        "x @ weight.T (+ bias) for 1-2 rows over a weight in 4- or 8-bit blocks of 32 (GGUF Q4_0/Q4_1/Q8_0) (CPU)");
+  m.def("block_quant_linear_max_rows", &block_quant_linear_max_rows, "the most rows block_quant_linear takes");
 }
