@@ -3,7 +3,7 @@
     python benchmarks/small_batch_linear.py [--tokens 200]
 
 The demo model is a Q4_1 GGUF file (its head, the tied embedding, Q8_0). Batches of 1-2 rows read:
-- GGUF blocks (the default): `block_quant_linear` over the file's blocks, ~0.65 bytes a weight;
+- GGUF blocks (the default): `quant_linear` over the file's blocks, ~0.65 bytes a weight;
 - plain copies: `small_batch_linear` over row-major weights in the compute dtype (what a safetensors
   checkpoint gets), 2 bytes a weight in bf16, 4 in fp32;
 - oneDNN only: its packed weights for every batch size.
@@ -30,7 +30,8 @@ from workloads import shared_prefix_workload  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.cpu_isa import selected_isa  # noqa: E402
 from kvserve.model.cpu_kernels import cpu_kernels  # noqa: E402
-from kvserve.model.layers import BlockQuantWeight, PackedWeight, linear, tensor_bytes  # noqa: E402
+from kvserve.model.layers import PackedWeight, linear, tensor_bytes  # noqa: E402
+from kvserve.model.quant_weight import QuantWeight  # noqa: E402
 
 VARIANTS = ("GGUF blocks", "plain copies", "oneDNN only")
 
@@ -45,7 +46,7 @@ def best_ms(fn, passes: int = 10) -> float:
     return best * 1e3
 
 
-def weights_of(llm: LLM) -> list[PackedWeight]:
+def weights_of(llm: LLM) -> list[PackedWeight | QuantWeight]:
     model = llm.engine.runner.model
     return [getattr(m, n) for m, n in model._matmul_weights()]
 
@@ -55,27 +56,27 @@ def as_variant(llm: LLM, variant: str) -> LLM:
     model = llm.engine.runner.model
     kernels = cpu_kernels()
     for module, name in model._matmul_weights():
-        weight = getattr(module, name)
-        assert isinstance(weight.plain, BlockQuantWeight), "the demo model's small batches should read its blocks"
-        if variant == "plain copies":
-            plain = weight.plain.dequantize(model.dtype)
-            weight = PackedWeight(weight.packed, plain, kernels.small_batch_linear, kernels.small_batch_linear_max_rows())
-        elif variant == "oneDNN only":
-            weight = PackedWeight(weight.packed)
+        weight = getattr(module, name) or model.embed_tokens  # a tied head reads the embedding
+        assert isinstance(weight, QuantWeight), "the demo model's matmuls should read its blocks"
+        if variant != "GGUF blocks":
+            plain = torch.cat([part.dequantize() for part in weight.parts]).to(model.dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(plain)
+            weight = (PackedWeight(packed, plain, kernels.small_batch_linear, kernels.small_batch_linear_max_rows())
+                      if variant == "plain copies" else PackedWeight(packed))
         setattr(module, name, weight)
     return llm
 
 
-def read_bytes(weight: PackedWeight) -> int:
-    if isinstance(weight.plain, BlockQuantWeight):
-        return weight.plain.nbytes()
+def read_bytes(weight: PackedWeight | QuantWeight) -> int:
+    if isinstance(weight, QuantWeight):
+        return weight.nbytes()
     return tensor_bytes(weight.plain if weight.plain is not None else weight.packed)
 
 
 def matmuls(llms: dict[str, LLM]) -> None:
     dtype = llms[VARIANTS[0]].engine.runner.model.dtype
     weights = {variant: weights_of(llm) for variant, llm in llms.items()}
-    widths = [w.plain.shape[1] for w in weights[VARIANTS[0]]]
+    widths = [w.shape[1] for w in weights[VARIANTS[0]]]
     for variant in VARIANTS:
         print(f"  {variant}: {sum(read_bytes(w) for w in weights[variant]) / 2**20:.1f} MiB read per step")
     for rows in (1, 2):

@@ -151,6 +151,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+GGUF_WEIGHTS = ("blocks", "dequantized")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None
@@ -158,6 +161,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     disable_cascade_attn: bool = False  # vLLM's flag: decodes sharing prefix blocks read them each on their own
+    gguf_weights: str = "blocks"  # blocks: held as the file's blocks; dequantized: bf16/fp32, packed for oneDNN
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -198,6 +202,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         cache, sched = self.cache, self.scheduler
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise ValueError(f"--gguf-weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if cache.block_size <= 0 or cache.block_size > 1024:
             raise ValueError(f"block_size must be in 1..1024, got {cache.block_size}")
         if sched.max_num_seqs < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvserve.config import GGUF_WEIGHTS, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +18,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-cascade-attn", action="store_true",
                        help="decodes that share cached prefix blocks read them each on their own, instead of once "
                             "per step for the group (CPU kernels)")
+    group.add_argument("--gguf-weights", default="blocks", choices=GGUF_WEIGHTS,
+                       help="how a GGUF file's quantized matrices are held on CPU: blocks (default: the file's own "
+                            "bytes, read in place) or dequantized (to the compute dtype and packed for oneDNN: about "
+                            "3.5x the memory, faster at batches of 9 or more rows)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length limit (default: the model's, capped to what the KV pool holds)")
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -58,6 +62,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         seed=args.seed,
         disable_cascade_attn=args.disable_cascade_attn,
+        gguf_weights=args.gguf_weights,
         cache=CacheConfig(
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,

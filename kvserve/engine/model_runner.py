@@ -17,9 +17,9 @@ from kvserve.engine.shared_prefix import find_shared_prefixes
 from kvserve.engine.step_plan import PromptSpan, StepInputs, StepPlan
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel, kv_writer
-from kvserve.model.layers import BlockQuantWeight
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
+from kvserve.model.quant_weight import QuantWeight
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -33,9 +33,10 @@ class StepLogits:
 
 
 def describe_cpu_weights(model: LlamaForCausalLM, plain_bytes: int) -> str:
-    kept = model.layers[0].self_attn.qkv_proj.plain
-    if isinstance(kept, BlockQuantWeight):
-        how = f"the GGUF file's {kept.bits}-bit blocks kept for batches of 1-2 rows (block_quant_linear)"
+    weight = model.layers[0].self_attn.qkv_proj
+    kept = getattr(weight, "plain", None)
+    if isinstance(weight, QuantWeight):
+        how = "the GGUF file's blocks read in place for every batch size (quant_linear)"
     elif kept is not None:
         how = "plain copies kept for batches of 1-2 rows (small_batch_linear)"
     else:

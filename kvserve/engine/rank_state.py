@@ -42,7 +42,7 @@ class RankState:
 def build_rank(config: EngineConfig, device: torch.device, shard: TensorShard,
                agree_num_blocks: Callable[[int], int] = lambda n: n) -> RankState:
     """`agree_num_blocks`: the fewest blocks any rank can hold (each rank measures its own device)."""
-    loaded = load_model(config.model, config.dtype, device, shard)
+    loaded = load_model(config.model, config.dtype, device, shard, gguf_blocks=config.gguf_weights == "blocks")
     pool = plan_kv_pool(config, loaded, device)
     num_blocks = agree_num_blocks(pool.num_blocks)
     if num_blocks != pool.num_blocks:

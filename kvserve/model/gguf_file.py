@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvserve.config import ModelLoadError
-from kvserve.model.layers import BlockQuantWeight
+from kvserve.model.quant_weight import QUANT_LINEAR_TYPES, QuantPart
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)
@@ -483,38 +483,44 @@ def llama3_rope_factors(
 # ---------------------------------------------------------------------------------------------- tensors
 
 
-def iter_gguf_tensors(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF parameter name, dequantized tensor in HF shape, cast to dtype), one tensor at a time."""
+def iter_gguf_tensors(path: str, dtype: torch.dtype, skip: frozenset[str] = frozenset()
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF parameter name, dequantized tensor in HF shape, cast to dtype), one tensor at a time, except
+    the names in `skip` (held as blocks instead: iter_gguf_quant_parts)."""
     contents = read_gguf(path)
     arch = gguf_architecture(contents)
     planned = [(info, hf_tensor_name(contents.path, info)) for info in contents.tensors]
     for info, _ in planned:
         _check_supported_type(contents.path, info)
     for info, hf_name in planned:
-        if hf_name is None:
+        if hf_name is None or hf_name in skip:
             continue
         tensor = _read_tensor(contents, info, dtype)
         heads = _permuted_heads(contents, arch, hf_name)
         yield hf_name, tensor if heads is None else unpermute_qk_rows(tensor, heads)
 
 
-def iter_gguf_blocks(path: str) -> Iterator[tuple[str, BlockQuantWeight]]:
-    """(HF parameter name, its blocks) for each matrix stored in a block type of BLOCK_LAYOUTS, rows in HF order
-    (the Q/K permutation moves whole rows, and blocks lie within rows), as stored otherwise."""
+def iter_gguf_quant_parts(path: str) -> Iterator[tuple[str, QuantPart]]:
+    """(HF parameter name, its rows of blocks) for each matrix in a block type quant_linear.cpp reads, rows in HF
+    order (the Q/K permutation moves whole rows), mapped from the file (merge_parts copies them)."""
     contents = read_gguf(path)
     arch = gguf_architecture(contents)
     for info in contents.tensors:
         hf_name = hf_tensor_name(contents.path, info)
-        if hf_name is None or len(info.gguf_shape) != 2 or info.ggml_type not in BLOCK_LAYOUTS:
+        if hf_name is None or len(info.gguf_shape) != 2 or info.ggml_type not in QUANT_LINEAR_TYPES:
             continue
         _check_supported_type(contents.path, info)
         assert info.nbytes is not None
         raw = np.memmap(contents.path, dtype=np.uint8, mode="c", offset=info.data_offset, shape=(info.nbytes,))
-        parts = split_blocks(torch.from_numpy(raw).view(info.hf_shape[0], -1), T(info.ggml_type))
+        rows = torch.from_numpy(raw).view(info.hf_shape[0], -1)
         heads = _permuted_heads(contents, arch, hf_name)
-        if heads is not None:
-            parts = tuple(unpermute_qk_rows(part, heads) if part.numel() else part for part in parts)
-        yield hf_name, BlockQuantWeight(*parts)
+        yield hf_name, QuantPart(info.ggml_type, rows if heads is None else unpermute_qk_rows(rows, heads))
+
+
+def gguf_parameter_bytes(path: str) -> int:
+    """Bytes of the file's parameter tensors, as stored (what "the file's size" means for its weights)."""
+    contents = read_gguf(path)
+    return sum(info.nbytes or 0 for info in contents.tensors if info.name not in NON_PARAMETER_TENSORS)
 
 
 def _permuted_heads(contents: GGUFContents, arch: str, hf_name: str) -> int | None:
@@ -594,28 +600,3 @@ def dequantize(
     # gguf.quants is vectorized numpy (~250-300 M weights/s per core); fast enough for loading.
     values = gguf.quants.dequantize(rows, ggml_type)
     return torch.from_numpy(values).reshape(hf_shape).to(dtype)
-
-
-# ---------------------------------------------------------------------------------------------- blocks, as stored
-
-# Block types whose bytes small-batch matmuls read in place of dequantized weights (layers.BlockQuantWeight):
-# (whether an fp16 minimum follows the block's fp16 scale, value bits).
-BLOCK_LAYOUTS = {T.Q4_0: (False, 4), T.Q4_1: (True, 4), T.Q8_0: (False, 8)}
-
-
-def split_blocks(rows: torch.Tensor, ggml_type: gguf.GGMLQuantizationType
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """uint8 [N, K / 32 * block bytes] rows of ggml blocks -> (values uint8 [N, K / 2 or K], scales fp16
-    [N, K / 32], mins fp16 [N, K / 32], empty for 8-bit values), as csrc/block_quant_linear.cpp reads them.
-    Q4_0's offset of 8 becomes a minimum of -8d, exact in fp16."""
-    has_min, bits = BLOCK_LAYOUTS[ggml_type]
-    _, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
-    num_rows = rows.shape[0]
-    blocks = rows.reshape(num_rows, -1, block_bytes)
-    header = 4 if has_min else 2
-    scales = blocks[:, :, 0:2].contiguous().view(torch.float16).reshape(num_rows, -1)
-    values = blocks[:, :, header:].reshape(num_rows, -1).contiguous()
-    if bits == 8:
-        return values, scales, torch.empty(0, dtype=torch.float16)
-    mins = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(num_rows, -1) if has_min else scales * -8
-    return values, scales, mins

@@ -18,8 +18,9 @@ stream. The plain copy costs the weights' bytes again, so it is kept only while 
 SMALL_BATCH_COPY_LIMIT_BYTES (models up to ~1B parameters in bf16); a tied head's plain form is the embedding,
 kept anyway, so it costs nothing.
 
-A weight loaded from GGUF blocks of a type csrc/block_quant_linear.cpp reads (Q4_0, Q4_1, Q8_0) keeps those
-blocks instead (`BlockQuantWeight`): a third to a half of bf16's bytes to walk, and the file's exact values.
+A weight loaded from GGUF blocks of a type csrc/quant_linear.cpp reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K) is neither packed nor copied: it stays the file's blocks (quant_weight.QuantWeight), read in place
+for every batch size.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.quant_weight import QuantWeight
+
 
 def empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
     # Weights are always loaded from a checkpoint, so random initialisation would be wasted time.
@@ -42,49 +45,17 @@ SMALL_BATCH_COPY_LIMIT_BYTES = 2 * 2**30
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class BlockQuantWeight:
-    """A matmul weight [out, in] in ggml's blocks of 32 values, split into parts (gguf_file.split_blocks)."""
-
-    values: torch.Tensor  # uint8 [out, in / 2] (4-bit, two per byte) or [out, in] (int8)
-    scales: torch.Tensor  # fp16 [out, in / 32]
-    mins: torch.Tensor  # fp16 [out, in / 32] for 4-bit values; empty for int8 ones
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.scales.shape[1] * 32
-
-    @property
-    def bits(self) -> int:
-        return 8 * self.values.shape[1] // self.shape[1]
-
-    def nbytes(self) -> int:
-        return sum(tensor_bytes(part) for part in (self.values, self.scales, self.mins))
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The [out, in] weight the blocks encode (d q + m in fp32, as ggml computes it), in `dtype`."""
-        rows, cols = self.shape
-        scales = self.scales.float().repeat_interleave(32, dim=1)
-        if self.bits == 8:
-            return (self.values.view(torch.int8).float() * scales).to(dtype)
-        nibbles = self.values.view(rows, -1, 16)
-        values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=2).reshape(rows, cols).float()
-        return (values * scales + self.mins.float().repeat_interleave(32, dim=1)).to(dtype)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
 class PackedWeight:
-    """A CPU matmul weight packed for oneDNN, with its plain form (or GGUF blocks) for batches of up to
-    `max_rows` rows when kept."""
+    """A CPU matmul weight packed for oneDNN, with its plain form for batches of up to `max_rows` rows when
+    kept."""
 
     packed: torch.Tensor  # oneDNN's blocked layout (an mkldnn tensor)
-    plain: torch.Tensor | BlockQuantWeight | None = None  # [out, in] row-major or blocks, read by small batches
+    plain: torch.Tensor | None = None  # [out, in] row-major, read by small batches
     small_batch_linear: Callable | None = None  # (x, plain, bias or empty) -> x @ plain.T + bias
     max_rows: int = 0
 
     def extra_bytes(self) -> int:
         """Bytes held besides the model's parameters (a plain copy that is itself a parameter is not counted)."""
-        if isinstance(self.plain, BlockQuantWeight):
-            return tensor_bytes(self.packed) + self.plain.nbytes()
         plain = 0 if self.plain is None or isinstance(self.plain, torch.nn.Parameter) else tensor_bytes(self.plain)
         return tensor_bytes(self.packed) + plain
 
@@ -96,8 +67,11 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 _NO_BIAS = torch.empty(0)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, for plain or packed weights."""
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | QuantWeight, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x @ weight.T + bias, for plain, packed or GGUF-block weights."""
+    if isinstance(weight, QuantWeight):
+        return weight.linear(x, bias)
     if isinstance(weight, PackedWeight):
         if weight.plain is not None and 0 < x.shape[0] <= weight.max_rows:
             return weight.small_batch_linear(x, weight.plain, _NO_BIAS if bias is None else bias)
@@ -141,11 +115,10 @@ def weight_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
         return False
 
 
-def pack_weight(module: torch.nn.Module, name: str, kernels=None,
-                plain: torch.Tensor | BlockQuantWeight | None = None) -> None:
+def pack_weight(module: torch.nn.Module, name: str, kernels=None, plain: torch.Tensor | None = None) -> None:
     """Replaces the CPU matmul weight `module.<name>` by its packed form (once). With `kernels` (the C++ module),
     small batches read `plain` (default: the weight itself, then kept instead of freed) through
-    small_batch_linear, or GGUF blocks through block_quant_linear; without, the plain weight is freed."""
+    small_batch_linear; without, the plain weight is freed."""
     weight = getattr(module, name)
     if isinstance(weight, PackedWeight):
         return
@@ -153,22 +126,10 @@ def pack_weight(module: torch.nn.Module, name: str, kernels=None,
     delattr(module, name)
     if kernels is None:
         setattr(module, name, PackedWeight(packed))
-    elif isinstance(plain, BlockQuantWeight):
-        setattr(module, name, PackedWeight(packed, plain, _block_quant_linear(kernels),
-                                           kernels.block_quant_linear_max_rows()))
     else:
         plain = weight.detach() if plain is None else plain
         setattr(module, name, PackedWeight(packed, plain, kernels.small_batch_linear,
                                            kernels.small_batch_linear_max_rows()))
-
-
-def _block_quant_linear(kernels) -> Callable:
-    kernel = kernels.block_quant_linear
-
-    def block_quant_linear(x: torch.Tensor, blocks: BlockQuantWeight, bias: torch.Tensor) -> torch.Tensor:
-        return kernel(x, blocks.values, blocks.scales, blocks.mins, bias)
-
-    return block_quant_linear
 
 
 class RMSNorm(torch.nn.Module):

@@ -12,9 +12,10 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.model.attention import Attention, AttentionMetadata
 from kvserve.model.layers import (
-    SMALL_BATCH_COPY_LIMIT_BYTES, BlockQuantWeight, GatedMLP, PackedWeight, RMSNorm, empty_parameter, linear,
+    SMALL_BATCH_COPY_LIMIT_BYTES, GatedMLP, PackedWeight, RMSNorm, empty_parameter, linear,
     pack_weight, tensor_bytes, weight_packing_available,
 )
+from kvserve.model.quant_weight import QuantWeight
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, all_reduce, embed, gather_logits
 
@@ -89,9 +90,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         # The C++ module for fused CPU ops, or None (portable torch). Set after loading: see use_fused_kernels.
         self.fused_kernels = None
-        # Matmul weights as the checkpoint's GGUF blocks, by parameter name (weights.block_weights), set by the
-        # loader; pack_weights_for_cpu gives them to small batches instead of plain copies.
-        self.block_weights: dict[str, BlockQuantWeight] = {}
+        self.packed_for_cpu = False  # set by pack_weights_for_cpu
         # fp8 KV scales a checkpoint carries (`model.layers.N.self_attn.k_scale` / `v_scale`): layer -> (k, v).
         self.checkpoint_kv_scales: dict[int, tuple[float | None, float | None]] = {}
 
@@ -100,49 +99,57 @@ class LlamaForCausalLM(torch.nn.Module):
 
         self.fused_kernels = cpu_kernels() if enabled else None
 
-    def pack_weights_for_cpu(self) -> bool:
-        """Packs every matmul weight for oneDNN (bf16 and fp32 on CPU; see layers.py). Returns whether it did.
+    def hold_quant_weights(self, weights: dict[str, QuantWeight]) -> None:
+        """Replaces parameters ("layers.0.mlp.gate_up_proj", "embed_tokens") by their checkpoint blocks, read in
+        place from then on (quant_weight.py)."""
+        for name, weight in weights.items():
+            owner, _, attribute = name.rpartition(".")
+            module = self.get_submodule(owner) if owner else self
+            delattr(module, attribute)
+            setattr(module, attribute, weight)
 
-        A tied head gets a packed copy of the embedding (vocab x hidden more bytes, counted by weight_bytes):
-        the embedding lookup needs the plain matrix, which small batches then read for the head as well. Small
-        batches read a weight's GGUF blocks where the loader kept them (`block_weights`); the other plain
-        weights are kept for them while those fit SMALL_BATCH_COPY_LIMIT_BYTES.
+    def pack_weights_for_cpu(self) -> bool:
+        """Packs every matmul weight held as a plain tensor for oneDNN (bf16 and fp32 on CPU; see layers.py).
+        Returns whether it did. Weights held as GGUF blocks (QuantWeight) stay as they are.
+
+        A tied head gets a packed copy of a plain embedding (vocab x hidden more bytes, counted by weight_bytes):
+        the embedding lookup needs the plain matrix, which small batches then read for the head as well. The
+        other plain weights are kept for small batches while those fit SMALL_BATCH_COPY_LIMIT_BYTES.
         """
-        if self.embed_tokens.device.type != "cpu" or not weight_packing_available(self.dtype):
+        if self.norm.weight.device.type != "cpu" or not weight_packing_available(self.dtype):
             return False
-        if isinstance(self.lm_head, PackedWeight):
-            return True  # packed already (the head is packed with the rest)
+        if self.packed_for_cpu:
+            return True
         tied = self.lm_head is None
-        if tied:
+        if tied and isinstance(self.embed_tokens, torch.Tensor):
             self.lm_head = self.embed_tokens.detach()
         kernels = self.fused_kernels
-        blocks = {(m, n): self.block_weights.get(name) for m, n, name in self._matmul_weight_names(tied)}
-        matmul_bytes = sum(tensor_bytes(getattr(m, n)) for m, n in self._matmul_weights()
-                           if blocks[m, n] is None and not (tied and n == "lm_head"))
+        plain = [(m, n) for m, n in self._matmul_weights() if isinstance(getattr(m, n), torch.Tensor)]
+        matmul_bytes = sum(tensor_bytes(getattr(m, n)) for m, n in plain if not (tied and n == "lm_head"))
         keep_plain = kernels is not None and matmul_bytes <= SMALL_BATCH_COPY_LIMIT_BYTES
-        for module, name in self._matmul_weights():
-            if kernels is not None and blocks[module, name] is not None:
-                pack_weight(module, name, kernels, plain=blocks[module, name])
-            elif tied and name == "lm_head":
+        for module, name in plain:
+            if tied and name == "lm_head":
                 pack_weight(module, name, kernels, plain=self.embed_tokens)
             else:
                 pack_weight(module, name, kernels if keep_plain else None)
-        self.block_weights = {}  # held by the packed weights now
+        self.packed_for_cpu = True
         return True
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight tensor held, packed ones and plain copies (no longer parameters) included."""
+        """Bytes of every weight held: parameters, packed weights and their plain copies (no longer parameters),
+        and weights held as GGUF blocks."""
         packed = [w for w in (getattr(m, n) for m, n in self._matmul_weights()) if isinstance(w, PackedWeight)]
-        return sum(tensor_bytes(t) for t in self.parameters()) + sum(w.extra_bytes() for w in packed)
+        return (sum(tensor_bytes(t) for t in self.parameters()) + sum(w.extra_bytes() for w in packed)
+                + sum(w.nbytes() for w in self._block_weights()))
 
-    def _matmul_weight_names(self, tied: bool):
-        """(module, attribute, parameter name) of each matmul weight; a tied head's name is the embedding's."""
-        module_names = {id(module): name for name, module in self.named_modules()}
-        for module, name in self._matmul_weights():
-            if module is self:
-                yield module, name, "embed_tokens" if tied else name
-            else:
-                yield module, name, f"{module_names[id(module)]}.{name}"
+    def parameter_count(self) -> int:
+        """The model's parameters, those held as GGUF blocks included."""
+        return sum(p.numel() for p in self.parameters()) + sum(w.numel() for w in self._block_weights())
+
+    def _block_weights(self) -> list[QuantWeight]:
+        """The weights held as GGUF blocks, each once (a tied head is the embedding)."""
+        held = [getattr(m, n) for m, n in self._matmul_weights()] + [self.embed_tokens]
+        return list({id(w): w for w in held if isinstance(w, QuantWeight)}.values())
 
     def _matmul_weights(self):
         """(module, attribute) of each matmul weight; the head's is None while it reads the tied embedding."""
@@ -162,7 +169,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """Logits in the model's dtype for the tokens at `logits_indices` (all tokens when None); a consumer that
         needs fp32 converts the rows it uses (a batch's [rows, vocab] copy is a large fresh allocation). Under
         tensor parallelism only rank 0 gets them; the other ranks return None."""
-        x = embed(input_ids, self.embed_tokens, self.config.vocab_size, self.shard)
+        x = self._embed(input_ids)
         step = ForwardStep(positions, metadata, self.rotary, self.fused_kernels if x.device.type == "cpu" else None)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -174,6 +181,12 @@ class LlamaForCausalLM(torch.nn.Module):
         x = self.norm(x.contiguous(), step.kernels)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return gather_logits(linear(x, head), self.config.vocab_size, self.shard)
+
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed_tokens, QuantWeight):  # held as blocks only by a whole model (one rank)
+            return self.embed_tokens.lookup(input_ids, self.dtype)
+        return embed(input_ids, self.embed_tokens, self.config.vocab_size, self.shard)
 
 
 def _vocab_parameter(rows: int, config: ModelConfig, dtype: torch.dtype) -> torch.nn.Parameter:

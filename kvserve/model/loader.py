@@ -21,11 +21,11 @@ from kvserve.model.demo import DEMO_MODEL_NAME, demo_model_path
 from kvserve.model.hf_checkpoint import (
     count_safetensors_tensors, iter_safetensors, read_generation_config, read_hf_config, safetensors_files,
 )
-from kvserve.model.layers import BlockQuantWeight
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.quant_weight import QuantPart
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, check_shardable
 from kvserve.model.tokenizer import Tokenizer, load_hf_tokenizer
-from kvserve.model.weights import block_weights, load_weights
+from kvserve.model.weights import load_weights, quant_weights
 
 logger = logging.getLogger("kvserve.model")
 
@@ -132,8 +132,10 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def load_model(model: str | None = None, dtype: str = "auto", device: str | torch.device = "cpu",
-               shard: TensorShard = WHOLE_MODEL) -> LoadedModel:
-    """`shard`: the tensor-parallel rank whose slice of the weights to load (default: all of them)."""
+               shard: TensorShard = WHOLE_MODEL, gguf_blocks: bool = True) -> LoadedModel:
+    """`shard`: the tensor-parallel rank whose slice of the weights to load (default: all of them).
+    `gguf_blocks`: a GGUF file's quantized matrices stay its blocks where the CPU kernels read them (False:
+    dequantized at load, as --gguf-weights dequantized)."""
     started = time.perf_counter()
     path = resolve_model_path(model)
     device = torch.device(device)
@@ -145,26 +147,41 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     tokenizer = source.tokenizer()
     with torch.device(device):
         net = LlamaForCausalLM(config, torch_dtype, shard)
-    with tqdm(total=source.num_tensors(), desc=f"Loading {path.name}", unit="tensor", leave=False) as bar:
-        load_weights(net, source.tensors(torch_dtype), checkpoint=str(path), on_tensor=bar.update)
-    net.eval()
     net.use_fused_kernels(device.type == "cpu")
-    if net.fused_kernels is not None and shard.size == 1:
-        net.block_weights = block_weights(net, source.blocks())  # for small batches (layers.BlockQuantWeight)
+    held = quant_weights(net, source.quant_parts(), net.fused_kernels) if gguf_blocks and _holds_blocks(net, shard) else {}
+    held_names = frozenset(name for _, names in held.values() for name in names)
+    with tqdm(total=source.num_tensors(), desc=f"Loading {path.name}", unit="tensor", leave=False) as bar:
+        load_weights(net, source.tensors(torch_dtype, held_names), checkpoint=str(path), on_tensor=bar.update,
+                     held=held_names)
+    net.hold_quant_weights({name: weight for name, (weight, _) in held.items()})
+    net.eval()
     if device.type == "cpu" and shard.rank == 0:
         logger.info("%s", cpu_dispatch_line(torch_dtype, net.fused_kernels is not None, kv_dtype))
-    weights_bytes = net.weight_bytes()
-    num_params = sum(p.numel() for p in net.parameters())
     name = DEMO_MODEL_NAME if model is None else str(model)
     rank = f" (tensor-parallel rank {shard.rank} of {shard.size})" if shard.size > 1 else ""
     logger.info(
-        "Loaded %s (%s) from %s%s: %.1fM parameters, %s, %.1f MiB of weights in %.1f s",
-        name, config.architecture, path, rank, num_params / 1e6, str(torch_dtype).removeprefix("torch."),
-        weights_bytes / 2**20, time.perf_counter() - started,
+        "Loaded %s (%s) from %s%s: %.1fM parameters, %s, %s in %.1f s",
+        name, config.architecture, path, rank, net.parameter_count() / 1e6, str(torch_dtype).removeprefix("torch."),
+        weights_line(net.weight_bytes(), source.parameter_bytes(), len(held)), time.perf_counter() - started,
     )
     return LoadedModel(
         net, config, tokenizer, source.generation_config(), path, name, torch_dtype, source.config, kv_dtype
     )
+
+
+def _holds_blocks(net: LlamaForCausalLM, shard: TensorShard) -> bool:
+    """Whether matmul weights stay GGUF blocks (quant_weight.py): with the CPU kernels, on a whole model (a
+    tensor-parallel shard dequantizes its slices as before)."""
+    return net.fused_kernels is not None and shard.size == 1
+
+
+def weights_line(held_bytes: int, file_bytes: int | None, block_weights: int) -> str:
+    """The weights' resident bytes beside the checkpoint's, for the start-up log."""
+    line = f"{held_bytes / 2**20:.1f} MiB of weights"
+    if file_bytes:
+        line += f" ({held_bytes / file_bytes:.2f}x the file's {file_bytes / 2**20:.1f} MiB of tensors"
+        line += f"; {block_weights} matmul weights read as GGUF blocks)" if block_weights else ")"
+    return line
 
 
 def check_tensor_parallel(model: str | None, size: int) -> None:
@@ -199,11 +216,14 @@ class _HFSource:
     def num_tensors(self) -> int:
         return count_safetensors_tensors(self.files)
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+    def tensors(self, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor, str]]:
         return iter_safetensors(self.files, dtype)
 
-    def blocks(self) -> Iterator[tuple[str, BlockQuantWeight]]:
+    def quant_parts(self) -> Iterator[tuple[str, QuantPart]]:
         return iter(())  # safetensors hold plain (or differently quantized) tensors
+
+    def parameter_bytes(self) -> int:
+        return sum(file.stat().st_size for file in self.files)
 
 
 class _GGUFSource:
@@ -230,13 +250,18 @@ class _GGUFSource:
 
         return gguf_tensor_count(str(self.path))
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+    def tensors(self, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor, str]]:
         from kvserve.model.gguf_file import iter_gguf_tensors
 
-        for name, tensor in iter_gguf_tensors(str(self.path), dtype):
+        for name, tensor in iter_gguf_tensors(str(self.path), dtype, skip):
             yield name, tensor, str(self.path)
 
-    def blocks(self) -> Iterator[tuple[str, BlockQuantWeight]]:
-        from kvserve.model.gguf_file import iter_gguf_blocks
+    def quant_parts(self) -> Iterator[tuple[str, QuantPart]]:
+        from kvserve.model.gguf_file import iter_gguf_quant_parts
 
-        return iter_gguf_blocks(str(self.path))
+        return iter_gguf_quant_parts(str(self.path))
+
+    def parameter_bytes(self) -> int:
+        from kvserve.model.gguf_file import gguf_parameter_bytes
+
+        return gguf_parameter_bytes(str(self.path))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelConfig, ModelLoadError
-from kvserve.model.layers import BlockQuantWeight
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
+from kvserve.model.quant_weight import QuantPart, QuantWeight, merge_parts
 from kvserve.model.tensor_parallel import TensorShard
 
 
@@ -105,33 +105,31 @@ def weight_destinations(model: LlamaForCausalLM) -> dict[str, Destination]:
     return table
 
 
-def block_weights(model: LlamaForCausalLM, blocks: Iterable[tuple[str, BlockQuantWeight]]
-                  ) -> dict[str, BlockQuantWeight]:
-    """The model's matmul weights that can be assembled whole from checkpoint blocks (GGUF Q4_0/Q4_1/Q8_0),
-    by parameter name ("layers.0.self_attn.qkv_proj", "embed_tokens"): every checkpoint tensor that writes
-    into the parameter must come as blocks of the same value width, unsplit (one rank holds it all)."""
+def quant_weights(model: LlamaForCausalLM, parts: Iterable[tuple[str, QuantPart]], kernels
+                  ) -> dict[str, tuple[QuantWeight, list[str]]]:
+    """The model's matmul weights (and token embedding) that can be held whole as checkpoint blocks
+    (quant_weight.py), by parameter name ("layers.0.self_attn.qkv_proj", "embed_tokens"), each with the
+    checkpoint tensors it holds: every checkpoint tensor that writes into the parameter must come as blocks,
+    unsplit (one rank holds it all)."""
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     destinations = weight_destinations(model)
     parts_of: dict[str, list[str]] = {}
     for checkpoint_name, dest in destinations.items():
-        # The embedding is a matmul weight only as a tied head; its lookups read the parameter.
-        if dest.parameter.dim() == 2 and not (dest.parameter is model.embed_tokens and model.lm_head is not None):
+        if dest.parameter.dim() == 2:
             parts_of.setdefault(names[id(dest.parameter)], []).append(checkpoint_name)
-    found = dict(blocks)
-    assembled = {}
-    for name, parts in parts_of.items():
-        pieces = [found.get(part) for part in parts]
-        if any(piece is None or destinations[part].split_full is not None for part, piece in zip(parts, pieces)):
+    found = dict(parts)
+    held = {}
+    for name, checkpoint_names in parts_of.items():
+        pieces = [found.get(part) for part in checkpoint_names]
+        parameter = destinations[checkpoint_names[0]].parameter
+        if any(piece is None or destinations[part].split_full is not None
+               for part, piece in zip(checkpoint_names, pieces)):
             continue
-        if len({piece.bits for piece in pieces}) != 1:
-            continue  # 4-bit and 8-bit parts in one fused weight
-        order = sorted(range(len(parts)), key=lambda i: destinations[parts[i]].row_start)
-        weight = BlockQuantWeight(*(
-            torch.cat([getattr(pieces[i], field) for i in order]) for field in ("values", "scales", "mins")
-        ))
-        if weight.shape == tuple(destinations[parts[0]].parameter.shape):
-            assembled[name] = weight
-    return assembled
+        order = sorted(range(len(pieces)), key=lambda i: destinations[checkpoint_names[i]].row_start)
+        weight = QuantWeight(merge_parts([pieces[i] for i in order]), parameter.shape[1], kernels)
+        if weight.shape == tuple(parameter.shape) and all(p.in_features == parameter.shape[1] for p in weight.parts):
+            held[name] = (weight, checkpoint_names)
+    return held
 
 
 def load_weights(
@@ -139,8 +137,10 @@ def load_weights(
     tensors: Iterable[tuple[str, torch.Tensor, str]],
     checkpoint: str,
     on_tensor: Callable[[], None] = lambda: None,
+    held: frozenset[str] = frozenset(),
 ) -> None:
     """Fills every parameter of `model` from `tensors` (name, tensor, source file); fails naming what is wrong.
+    Names in `held` are held otherwise (as blocks: quant_weights) and not expected.
 
     Tensors the model does not use (rotary inv_freq buffers, a tied lm_head copy) are skipped; fp8 KV scales
     (`self_attn.k_scale` / `v_scale`, as vLLM reads them) are kept in `model.checkpoint_kv_scales`.
@@ -159,7 +159,7 @@ def load_weights(
         with torch.no_grad():
             dest.parameter[dest.row_start : dest.row_start + dest.rows].copy_(dest.take(tensor))
         written.add(name)
-    missing = [name for name in destinations if name not in written]
+    missing = [name for name in destinations if name not in written and name not in held]
     _check_kv_scales(model, checkpoint)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

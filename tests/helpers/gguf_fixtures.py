@@ -118,12 +118,32 @@ def gguf_tensor_data(arch: str, hf_name: str, tensor: torch.Tensor, num_heads: i
     return tensor.float().numpy()
 
 
+# Offsets of the fp16 scales in a K-quant super-block (d and dmin; Q6_K's d is last).
+K_QUANT_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_k_quant(shape: tuple[int, int], tensor_type: Q, seed: int) -> np.ndarray:
+    """uint8 [rows, row bytes] of `tensor_type` super-blocks: random values and sub-block scales, fp16 scales
+    drawn from [1e-4, 1e-3] (gguf.quants cannot quantize to K-quants; a decoder test only needs valid blocks)."""
+    rows, cols = shape
+    values, nbytes = gguf.GGML_QUANT_SIZES[tensor_type]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // values, nbytes), dtype=np.uint8)
+    for offset in K_QUANT_SCALE_OFFSETS[tensor_type]:
+        scales = rng.uniform(1e-4, 1e-3, (rows, cols // values)).astype(np.float16)
+        raw[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, cols // values, 2)
+    return raw.reshape(rows, -1)
+
+
 def encode_tensor(data: np.ndarray, tensor_type: Q) -> tuple[np.ndarray, Q | None]:
-    """(array, raw_dtype) for GGUFWriter.add_tensor. Norms and biases stay F32, as llama.cpp keeps them."""
+    """(array, raw_dtype) for GGUFWriter.add_tensor. Norms and biases stay F32, as llama.cpp keeps them.
+    K-quants get random blocks (random_k_quant, seeded by the tensor's shape), not an encoding of `data`."""
     if data.ndim == 1 or tensor_type == Q.F32:
         return data.astype(np.float32), None
     if tensor_type == Q.F16:
         return data.astype(np.float16), None
+    if tensor_type in K_QUANT_SCALE_OFFSETS:
+        return random_k_quant(data.shape, tensor_type, seed=sum(data.shape)), tensor_type
     return gguf.quants.quantize(data, tensor_type), tensor_type
 
 
@@ -151,11 +171,13 @@ def write_model_gguf(
     *,
     arch: str = "llama",
     tensor_type: Q = Q.F32,
+    tensor_types: dict[str, Q] | None = None,
     tokenizer: TokenizerSpec | None = None,
     extra_tensors: dict[str, tuple[np.ndarray, Q | None]] | None = None,
     config: dict | None = None,
 ) -> Path:
-    """Writes `model` (may be None: metadata only) as a GGUF file of architecture `arch`."""
+    """Writes `model` (may be None: metadata only) as a GGUF file of architecture `arch`, its matrices in
+    `tensor_type` except those `tensor_types` names (by HF name suffix, "mlp.down_proj.weight")."""
     hf_config = model.config.to_dict() if model is not None else dict(config or {})
     writer = gguf.GGUFWriter(str(path), arch)
     _write_model_metadata(writer, arch, hf_config)
@@ -165,7 +187,8 @@ def write_model_gguf(
         num_heads, num_kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
         for hf_name, tensor in hf_state_dict(model).items():
             data = gguf_tensor_data(arch, hf_name, tensor, num_heads, num_kv_heads)
-            array, raw_dtype = encode_tensor(data, tensor_type)
+            chosen = next((t for suffix, t in (tensor_types or {}).items() if hf_name.endswith(suffix)), tensor_type)
+            array, raw_dtype = encode_tensor(data, chosen)
             writer.add_tensor(gguf_tensor_name(hf_name), array, raw_dtype=raw_dtype)
     for name, (array, raw_dtype) in (extra_tensors or {}).items():
         writer.add_tensor(name, array, raw_dtype=raw_dtype)

@@ -1483,10 +1483,11 @@ int64_t small_batch_linear_max_rows();
 // argmax.cpp
 torch::Tensor first_argmax(torch::Tensor logits);
 
-// block_quant_linear.cpp
-torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor values, torch::Tensor scales, torch::Tensor mins,
-                                 torch::Tensor bias);
-int64_t block_quant_linear_max_rows();
+// quant_linear.cpp
+void quant_linear_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch::Tensor bias, torch::Tensor out,
+                      int64_t col);
+void quant_rows_out(torch::Tensor blocks, int64_t type, torch::Tensor ids, torch::Tensor out);
+bool quant_linear_reads(int64_t type);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
@@ -1514,7 +1515,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_linear_has_bf16_dot", &small_batch_linear_has_bf16_dot, "whether bf16 x bf16 uses AVX512-BF16");
   m.def("small_batch_linear_max_rows", &small_batch_linear_max_rows, "the most rows small_batch_linear takes");
   m.def("first_argmax", &first_argmax, "each row's first maximum, as torch.max(dim=-1).indices (CPU)");
-  m.def("block_quant_linear", &block_quant_linear,
-        "x @ weight.T (+ bias) for 1-2 rows over a weight in 4- or 8-bit blocks of 32 (GGUF Q4_0/Q4_1/Q8_0) (CPU)");
-  m.def("block_quant_linear_max_rows", &block_quant_linear_max_rows, "the most rows block_quant_linear takes");
+  m.def("quant_linear_out", &quant_linear_out,
+        "out[:, col:col+N] = x @ W.T (+ bias), W held as rows of GGUF blocks, any batch size (CPU)");
+  m.def("quant_rows_out", &quant_rows_out, "rows of a weight held as GGUF blocks, decoded (embedding lookup) (CPU)");
+  m.def("quant_linear_reads", &quant_linear_reads, "whether quant_linear reads this ggml type");
 }

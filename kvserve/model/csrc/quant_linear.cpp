@@ -1,0 +1,723 @@
+// x @ W.T (+ bias) over a weight held as its GGUF file holds it: each row of W a run of ggml blocks (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0 in blocks of 32 values; Q4_K, Q5_K, Q6_K in super-blocks of 256), read in place for every
+// batch size, so the weights cost their file's bytes and no dequantized copy exists (layers.QuantWeight).
+//
+// - Few rows (a decode step of one or a few streams): every weight byte is used for M multiply-adds, so the
+//   matmul is a walk over the blocks at memory speed: x quantized to int8 per 32 values, each group of 32
+//   weights unpacked in registers and multiplied by integer dot products, as llama.cpp does.
+// - More rows (batched decode, prefill): chunks of weight rows decoded into x's dtype, a cache's worth at a
+//   time, and multiplied by torch's matmul: the same arithmetic as a dequantized weight's matmul, without ever
+//   holding the whole weight dequantized.
+//
+// Values are decoded as ggml (and gguf.quants) define them. Accumulation is fp32, the result rounded once.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+// ggml's ids of the types read here (gguf.GGMLQuantizationType).
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct Layout {
+  int64_t values;  // per block
+  int64_t bytes;   // per block
+};
+
+bool known_type(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
+Layout layout_of(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: TORCH_CHECK(false, "quant_linear does not read ggml type ", type);
+  }
+}
+
+constexpr int64_t kChunk = 256;  // values decoded at a time: one super-block, or eight blocks of 32
+constexpr int64_t kMaxWalkRows = 8;  // up to this many rows of x, the walk over the blocks
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return simd::half_to_float(bits);
+}
+
+// ---------------------------------------------------------------------------------------------- blocks -> fp32
+
+// The 6-bit scale and minimum of sub-block j of a Q4_K / Q5_K super-block, packed in 12 bytes as ggml packs them.
+inline void scale_min_k4(int j, const uint8_t* q, int& scale, int& min) {
+  if (j < 4) {
+    scale = q[j] & 63;
+    min = q[j + 4] & 63;
+  } else {
+    scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Blocks are decoded a vector of kLanes values at a time, as GCC/Clang vector types: one definition for every
+// family (the compiler emits vpmovzxbd, vpand, vpsrld, vcvtdq2ps, vfmadd at AVX-512's or AVX2's width, and
+// plain code on the generic family).
+#if defined(KVSERVE_SIMD)
+using simd::Simd;
+constexpr int kLanes = Simd::kLanes;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef int32_t IV __attribute__((vector_size(4 * kLanes)));
+typedef float FV __attribute__((vector_size(4 * kLanes)));
+typedef uint8_t U8 __attribute__((vector_size(kLanes)));
+typedef int8_t I8 __attribute__((vector_size(kLanes)));
+
+inline IV bytes_u8(const uint8_t* p) {
+  U8 b;
+  std::memcpy(&b, p, kLanes);
+  return __builtin_convertvector(b, IV);
+}
+inline IV bytes_i8(const uint8_t* p) {
+  I8 b;
+  std::memcpy(&b, p, kLanes);
+  return __builtin_convertvector(b, IV);
+}
+inline FV to_float(IV a) { return __builtin_convertvector(a, FV); }
+
+// d * q + m, the values of blocks with a scale and a minimum (or offset folded into m).
+inline FV affine(IV q, float d, float m) { return to_float(q) * d + m; }
+
+// The portable decoder (the generic family's walk and slices): `f(i, v)` gets values [i, i + kLanes) of the
+// block as fp32 lanes.
+// Q4_0 / Q4_1: d (and m), 16 bytes: element i in the low nibble of byte i, element i + 16 in the high one.
+// Q5_0 / Q5_1: the same, and the fifth bit of element j is bit j of a 32-bit qh.
+// Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of fifth bits), 128 bytes of
+// nibbles; eight sub-blocks of 32, sub-block 2i in the low nibbles of 32 bytes and 2i + 1 in their high ones.
+// Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 values), then d.
+template <int64_t Type, typename F>
+inline void decode_vectors(const uint8_t* b, F&& f) {
+  if constexpr (Type == kQ4_0 || Type == kQ4_1) {
+    const float d = fp16_at(b), m = Type == kQ4_1 ? fp16_at(b + 2) : -8.f * d;
+    const uint8_t* qs = b + (Type == kQ4_1 ? 4 : 2);
+    for (int i = 0; i < 16; i += kLanes) {
+      const IV q = bytes_u8(qs + i);
+      f(i, affine(q & 0xF, d, m));
+      f(i + 16, affine(q >> 4, d, m));
+    }
+  } else if constexpr (Type == kQ5_0 || Type == kQ5_1) {
+    const bool has_min = Type == kQ5_1;
+    const float d = fp16_at(b), m = has_min ? fp16_at(b + 2) : -16.f * d;
+    const uint8_t* p = b + (has_min ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, p, 4);
+    const uint8_t* qs = p + 4;
+    for (int i = 0; i < 16; i += kLanes) {
+      const IV q = bytes_u8(qs + i);
+      IV lo = q & 0xF, hi = q >> 4;
+      for (int l = 0; l < kLanes; ++l) {
+        lo[l] |= ((qh >> (i + l)) & 1) << 4;
+        hi[l] |= ((qh >> (i + l + 16)) & 1) << 4;
+      }
+      f(i, affine(lo, d, m));
+      f(i + 16, affine(hi, d, m));
+    }
+  } else if constexpr (Type == kQ8_0) {
+    const float d = fp16_at(b);
+    for (int i = 0; i < 32; i += kLanes) f(i, to_float(bytes_i8(b + 2 + i)) * d);
+  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    constexpr bool kFifth = Type == kQ5_K;
+    const float d = fp16_at(b), dmin = fp16_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    for (int j = 0; j < 4; ++j) {
+      int sc0, m0, sc1, m1;
+      scale_min_k4(2 * j, scales, sc0, m0);
+      scale_min_k4(2 * j + 1, scales, sc1, m1);
+      const float d0 = d * sc0, min0 = -(dmin * m0), d1 = d * sc1, min1 = -(dmin * m1);
+      for (int l = 0; l < 32; l += kLanes) {
+        const IV q = bytes_u8(qs + 32 * j + l);
+        IV lo = q & 0xF, hi = q >> 4;
+        if constexpr (kFifth) {
+          const IV h = bytes_u8(qh + l);
+          lo |= ((h >> (2 * j)) & 1) << 4;
+          hi |= ((h >> (2 * j + 1)) & 1) << 4;
+        }
+        f(64 * j + l, affine(lo, d0, min0));
+        f(64 * j + 32 + l, affine(hi, d1, min1));
+      }
+    }
+  } else {  // Q6_K
+    const float d = fp16_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = b + 64 * half;
+      const uint8_t* qh = b + 128 + 32 * half;
+      const int8_t* s = sc + 8 * half;
+      for (int l = 0; l < 32; l += kLanes) {
+        const int is = l / 16;
+        const IV low = bytes_u8(ql + l), high = bytes_u8(ql + l + 32), h = bytes_u8(qh + l);
+        const IV q1 = ((low & 0xF) | ((h & 3) << 4)) - 32;
+        const IV q2 = ((high & 0xF) | (((h >> 2) & 3) << 4)) - 32;
+        const IV q3 = ((low >> 4) | (((h >> 4) & 3) << 4)) - 32;
+        const IV q4 = ((high >> 4) | ((h >> 6) << 4)) - 32;
+        f(128 * half + l, to_float(q1) * (d * s[is]));
+        f(128 * half + l + 32, to_float(q2) * (d * s[is + 2]));
+        f(128 * half + l + 64, to_float(q3) * (d * s[is + 4]));
+        f(128 * half + l + 96, to_float(q4) * (d * s[is + 6]));
+      }
+    }
+  }
+}
+
+template <int64_t Type>
+constexpr Layout kLayoutOf = Type == kQ4_0 ? Layout{32, 18} : Type == kQ4_1 ? Layout{32, 20}
+                           : Type == kQ5_0 ? Layout{32, 22} : Type == kQ5_1 ? Layout{32, 24}
+                           : Type == kQ8_0 ? Layout{32, 34} : Type == kQ4_K ? Layout{256, 144}
+                           : Type == kQ5_K ? Layout{256, 176} : Layout{256, 210};
+
+// Values [k0, k0 + count) of one weight row (k0 and count whole blocks) -> fp32.
+template <int64_t Type>
+inline void decode_values(const uint8_t* row, int64_t k0, int64_t count, float* y) {
+  constexpr Layout kLayout = kLayoutOf<Type>;
+  const uint8_t* block = row + k0 / kLayout.values * kLayout.bytes;
+  for (int64_t i = 0; i < count; i += kLayout.values, block += kLayout.bytes) {
+    float* out = y + i;
+    decode_vectors<Type>(block, [out](int j, FV v) { std::memcpy(out + j, &v, sizeof(v)); });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- few rows: a walk
+
+struct Problem {
+  const uint8_t* w;  // [N, row_bytes]
+  int64_t row_bytes, K, N;
+  const float* bias;  // [N] or nullptr
+  int64_t M;
+  int64_t out_stride, out_col;  // out[m * out_stride + out_col + n]
+};
+
+template <typename out_t>
+inline void store(out_t* out, const Problem& p, int64_t m, int64_t n, float value) {
+  out[m * p.out_stride + p.out_col + n] = static_cast<out_t>(value + (p.bias ? p.bias[n] : 0.f));
+}
+
+#if defined(__AVX2__)
+// A decode step reads each weight byte for M multiply-adds, so the walk must keep up with memory: as llama.cpp
+// does, x is quantized to int8 (one scale per 32 values for the 32-value block types, per 256 for the
+// K-quants), each group of 32 weights is unpacked to unsigned bytes in registers and multiplied with x's bytes
+// by integer dot products (vpmaddubsw; vpdpbusd with AVX512-VNNI). Every block type is, per 16 values, value = a * u + c with u
+// unsigned, so sum(value * x) = a * dot(u, qx) * dx + c * sum(qx) * dx; a K-quant's sub-block scales are
+// integers, so a super-block's products add up in int32 and meet fp32 once.
+struct QuantizedX {
+  int64_t group;               // values per scale: 32 or 256
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> d;        // [M, K / group]
+  std::vector<int16_t> sums;   // [M, K / 16] each 16 values' sum of q
+};
+
+template <typename in_t>
+QuantizedX quantize_x(const in_t* x, int64_t M, int64_t K, int64_t group) {
+  const int64_t groups = M * K / group;
+  QuantizedX qx{group, std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<int16_t>(M * K / 16)};
+  std::vector<float> v(group);
+  for (int64_t g = 0; g < groups; ++g) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < group; ++i) {
+      v[i] = static_cast<float>(x[g * group + i]);
+      amax = std::max(amax, std::abs(v[i]));
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    qx.d[g] = amax / 127.f;
+    for (int64_t i = 0; i < group; i += 16) {
+      int sum = 0;
+      for (int64_t l = i; l < i + 16; ++l) {
+        const int q = static_cast<int>(std::nearbyint(v[l] * inv));
+        qx.q[g * group + l] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      qx.sums[(g * group + i) / 16] = static_cast<int16_t>(sum);
+    }
+  }
+  return qx;
+}
+
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 16 bytes of nibbles -> 32 values: the low nibbles (elements 0-15), then the high ones (16-31).
+inline __m256i nibbles(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+
+// 0x10 in byte j where bit j of `bits` is set (Q5_0 / Q5_1 fifth bits).
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// 0x10 in each byte of `bytes` whose bit `shift` is set (Q5_K fifth bits).
+inline __m256i bit_as_0x10(__m256i bytes, int shift) {
+  const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << shift));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// Eight int32 lanes, lane i the sum of u * s over bytes 4i..4i+3 (u unsigned, s signed).
+inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// Eight int32 lanes of u * s summed by pairs of bytes, each pair times its int16 lane of `scale`.
+inline __m256i scaled_dot(__m256i u, __m256i s, __m256i scale) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale);
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline int hsum(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
+}
+
+template <int64_t Type>
+constexpr bool kSuperBlocks = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
+// Q8_0's values are signed (no offset); the walk multiplies |w| by x with w's sign.
+template <int64_t Type>
+constexpr bool kSigned = Type == kQ8_0;
+
+// `f(g, u, a0, a1, c0, c1)` gets group g of the block (32 values) as bytes u: value = a0 * u + c0 for the
+// first 16, a1 * u + c1 for the last 16 (Q8_0: u the signed values, c zero). The GEMM's decode reads every
+// type through it; the walk reads the 32-value types through it.
+template <int64_t Type, typename F>
+__attribute__((always_inline)) inline void groups_of(const uint8_t* b, F&& f);
+
+// The 12 bytes of a Q4_K / Q5_K super-block's 6-bit scales and mins as 16 bytes: 8 scales, then 8 mins (the low
+// six bits of bytes 0-3 and 4-7 are scales and mins 0-3; scales and mins 4-7 take their low four bits from bytes
+// 8-11 and their top two from the top bits of bytes 0-3 and 4-7).
+inline __m128i scales_mins_k4(const uint8_t* q) {
+  uint32_t w[3];
+  std::memcpy(w, q, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  const uint32_t scales_hi = (w[2] & low4) | (((w[0] >> 6) & top2) << 4);
+  const uint32_t mins_hi = ((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4);
+  return _mm_setr_epi32(static_cast<int>(w[0] & low6), static_cast<int>(scales_hi), static_cast<int>(w[1] & low6),
+                        static_cast<int>(mins_hi));
+}
+
+// int16 lane `lane` of v in all 16 lanes.
+inline __m256i broadcast_lane(__m128i v, int lane) {
+  const __m128i pick = _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * lane));
+  return _mm256_broadcastsi128_si256(_mm_shuffle_epi8(v, pick));
+}
+
+// One super-block of a K-quant: `f(g, u, scale)` gets group g (32 values) as bytes u and its integer scale per
+// pair of values (int16 lanes); then `low(mins, d_scale, d_min)`: the block's value = d_scale * scale * u -
+// d_min * min, with its mins per 16 values (int16 lanes, Q6_K: 32 times its scales).
+template <int64_t Type, typename F>
+__attribute__((always_inline)) inline void super_block(const uint8_t* b, F&& f, float& d_scale, float& d_min, __m256i& mins) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    constexpr bool kFifth = Type == kQ5_K;
+    d_scale = fp16_at(b);
+    d_min = fp16_at(b + 2);
+    const __m128i packed = scales_mins_k4(b + 4);  // bytes 0-7 the scales, 8-15 the mins
+    const __m128i scales = _mm_cvtepu8_epi16(packed);
+    mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(packed, packed));
+    const __m256i high = kFifth ? load256(b + 16) : _mm256_setzero_si256();
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i bytes = load256(qs + 32 * j);
+      __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      if constexpr (kFifth) {
+        lo = _mm256_or_si256(lo, bit_as_0x10(high, 2 * j));
+        hi = _mm256_or_si256(hi, bit_as_0x10(high, 2 * j + 1));
+      }
+      f(2 * j, lo, broadcast_lane(scales, 2 * j));
+      f(2 * j + 1, hi, broadcast_lane(scales, 2 * j + 1));
+    }
+  } else {  // Q6_K: 6-bit values minus 32, a signed scale per 16
+    d_scale = d_min = fp16_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))), 5);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i lo = load256(b + 64 * half), lo2 = load256(b + 64 * half + 32), h = load256(b + 128 + 32 * half);
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4)),
+          _mm256_or_si256(_mm256_and_si256(lo2, low4), _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x0C)), 2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), low4), _mm256_and_si256(h, _mm256_set1_epi8(0x30))),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo2, 4), low4),
+                          _mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(static_cast<char>(0xC0))), 2))};
+      const int8_t* s = sc + 8 * half;
+      for (int i = 0; i < 4; ++i)
+        f(4 * half + i, q[i], _mm256_set_m128i(_mm_set1_epi16(s[2 * i + 1]), _mm_set1_epi16(s[2 * i])));
+    }
+  }
+}
+
+template <int64_t Type, typename F>
+__attribute__((always_inline)) inline void groups_of(const uint8_t* b, F&& f) {
+  if constexpr (Type == kQ4_0) {
+    const float d = fp16_at(b);
+    f(0, nibbles(b + 2), d, d, -8.f * d, -8.f * d);
+  } else if constexpr (Type == kQ4_1) {
+    const float d = fp16_at(b), m = fp16_at(b + 2);
+    f(0, nibbles(b + 4), d, d, m, m);
+  } else if constexpr (Type == kQ5_0 || Type == kQ5_1) {
+    constexpr bool kMin = Type == kQ5_1;
+    const float d = fp16_at(b), m = kMin ? fp16_at(b + 2) : -16.f * d;
+    uint32_t qh;
+    std::memcpy(&qh, b + (kMin ? 4 : 2), 4);
+    f(0, _mm256_or_si256(nibbles(b + (kMin ? 8 : 6)), fifth_bits(qh)), d, d, m, m);
+  } else if constexpr (Type == kQ8_0) {
+    const float d = fp16_at(b);
+    f(0, load256(b + 2), d, d, 0.f, 0.f);
+  } else {
+    float d_scale, d_min;
+    __m256i mins;
+    alignas(32) int16_t scales[8][16];
+    __m256i u[8];
+    super_block<Type>(b, [&](int g, __m256i bytes, __m256i scale) {
+      u[g] = bytes;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(scales[g]), scale);
+    }, d_scale, d_min, mins);
+    alignas(32) int16_t mn[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(mn), mins);
+    for (int g = 0; g < 8; ++g) {
+      const float a0 = d_scale * scales[g][0], a1 = d_scale * scales[g][15];
+      const float c0 = -d_min * mn[2 * g], c1 = -d_min * mn[2 * g + 1];
+      f(g, u[g], a0, a1, c0, c1);
+    }
+  }
+}
+
+// The 32-value block types: a float scale per block, so each group's dot product meets fp32 right away.
+template <int64_t Type, int M, typename out_t>
+void walk_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, out_t* out) {
+  constexpr Layout kLayout = kLayoutOf<Type>;
+  const int64_t blocks = p.K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* block = p.w + n * p.row_bytes;
+    __m256 acc[M];
+    float offset[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), offset[m] = 0.f;
+    for (int64_t b = 0; b < blocks; ++b, block += kLayout.bytes) {
+      groups_of<Type>(block, [&](int, __m256i u, float a, float, float c, float) __attribute__((always_inline)) {
+        const __m256i w = kSigned<Type> ? _mm256_sign_epi8(u, u) : u;
+        for (int m = 0; m < M; ++m) {
+          __m256i x = load256(reinterpret_cast<const uint8_t*>(qx.q.data() + m * p.K + b * 32));
+          if constexpr (kSigned<Type>) x = _mm256_sign_epi8(x, u);
+          const float dx = qx.d[m * blocks + b];
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(w, x)), _mm256_set1_ps(a * dx), acc[m]);
+          if constexpr (!kSigned<Type>) {
+            const int16_t* sums = qx.sums.data() + m * 2 * blocks + 2 * b;
+            offset[m] += c * dx * static_cast<float>(sums[0] + sums[1]);
+          }
+        }
+      });
+    }
+    for (int m = 0; m < M; ++m) store(out, p, m, n, hsum(acc[m]) + offset[m]);
+  }
+}
+
+// The K-quants: per super-block, integer sums of u * x * scale, and of the mins times x's sums per 16.
+template <int64_t Type, int M, typename out_t>
+void walk_super_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, out_t* out) {
+  constexpr Layout kLayout = kLayoutOf<Type>;
+  const int64_t blocks = p.K / 256;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* block = p.w + n * p.row_bytes;
+    __m256 acc[M];
+    float offset[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), offset[m] = 0.f;
+    for (int64_t b = 0; b < blocks; ++b, block += kLayout.bytes) {
+      __m256i isum[M];
+      for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
+      float d_scale, d_min;
+      __m256i mins;
+      super_block<Type>(block, [&](int g, __m256i u, __m256i scale) __attribute__((always_inline)) {
+        for (int m = 0; m < M; ++m) {
+          const __m256i x = load256(reinterpret_cast<const uint8_t*>(qx.q.data() + m * p.K + b * 256 + g * 32));
+          isum[m] = _mm256_add_epi32(isum[m], scaled_dot(u, x, scale));
+        }
+      }, d_scale, d_min, mins);
+      for (int m = 0; m < M; ++m) {
+        const float dx = qx.d[m * blocks + b];
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.sums.data() + (m * blocks + b) * 16));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d_scale * dx), acc[m]);
+        offset[m] -= d_min * dx * static_cast<float>(hsum(_mm256_madd_epi16(sums, mins)));
+      }
+    }
+    for (int m = 0; m < M; ++m) store(out, p, m, n, hsum(acc[m]) + offset[m]);
+  }
+}
+
+template <int64_t Type, int M, typename out_t>
+void walk_rows_of(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, out_t* out) {
+  if constexpr (kSuperBlocks<Type>) walk_super_rows<Type, M>(qx, p, n0, n1, out);
+  else walk_rows<Type, M>(qx, p, n0, n1, out);
+}
+
+template <int64_t Type, typename in_t, typename out_t>
+void walk(const in_t* x, const Problem& p, out_t* out) {
+  const QuantizedX qx = quantize_x(x, p.M, p.K, kSuperBlocks<Type> ? 256 : 32);
+  at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
+    switch (p.M) {
+      case 1: walk_rows_of<Type, 1>(qx, p, n0, n1, out); break;
+      case 2: walk_rows_of<Type, 2>(qx, p, n0, n1, out); break;
+      case 3: walk_rows_of<Type, 3>(qx, p, n0, n1, out); break;
+      case 4: walk_rows_of<Type, 4>(qx, p, n0, n1, out); break;
+      case 5: walk_rows_of<Type, 5>(qx, p, n0, n1, out); break;
+      case 6: walk_rows_of<Type, 6>(qx, p, n0, n1, out); break;
+      case 7: walk_rows_of<Type, 7>(qx, p, n0, n1, out); break;
+      default: walk_rows_of<Type, 8>(qx, p, n0, n1, out); break;
+    }
+  });
+}
+#else
+// Without AVX2: each block decoded to fp32, a chunk at a time, and multiplied in fp32.
+template <int64_t Type, int M, typename in_t, typename out_t>
+void walk_rows(const in_t* x, const Problem& p, int64_t n0, int64_t n1, out_t* out) {
+  float y[kChunk];
+  for (int64_t n = n0; n < n1; ++n) {
+    float sums[M] = {};
+    for (int64_t k = 0; k < p.K; k += kChunk) {
+      const int64_t count = std::min(kChunk, p.K - k);
+      decode_values<Type>(p.w + n * p.row_bytes, k, count, y);
+      for (int m = 0; m < M; ++m)
+        for (int64_t i = 0; i < count; ++i) sums[m] += y[i] * static_cast<float>(x[m * p.K + k + i]);
+    }
+    for (int m = 0; m < M; ++m) store(out, p, m, n, sums[m]);
+  }
+}
+
+template <int64_t Type, typename in_t, typename out_t>
+void walk(const in_t* x, const Problem& p, out_t* out) {
+  at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
+    switch (p.M) {
+      case 1: walk_rows<Type, 1>(x, p, n0, n1, out); break;
+      case 2: walk_rows<Type, 2>(x, p, n0, n1, out); break;
+      case 3: walk_rows<Type, 3>(x, p, n0, n1, out); break;
+      case 4: walk_rows<Type, 4>(x, p, n0, n1, out); break;
+      case 5: walk_rows<Type, 5>(x, p, n0, n1, out); break;
+      case 6: walk_rows<Type, 6>(x, p, n0, n1, out); break;
+      case 7: walk_rows<Type, 7>(x, p, n0, n1, out); break;
+      default: walk_rows<Type, 8>(x, p, n0, n1, out); break;
+    }
+  });
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------- many rows: GEMM
+
+// Batched decode and prefill: the weight's rows are decoded into x's dtype a slice at a time (a few MiB, so the
+// slice is still in the last-level cache when it is read), by all threads, and each slice is multiplied by
+// torch's matmul (oneDNN / BLAS, itself parallel), so prefill runs at the GEMM library's speed and no
+// dequantized copy of the whole weight exists. The decode is paid on every call, against M multiply-adds per
+// weight: small for prefill, half the time at M = 32. The slice's buffer is kept for the next call (one per
+// calling thread).
+#if defined(__AVX2__)
+// bf16 of 8 floats, rounded to nearest even as torch rounds (no NaNs among decoded weights).
+inline __m256i to_bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+// 16 values a * u + c from 16 bytes u, stored in the GEMM's dtype.
+template <bool Signed, typename out_t>
+inline void decode16(__m128i bytes, float a, float c, out_t* y) {
+#if defined(__AVX512F__)
+  const __m512i q = Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+  const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(a), _mm512_set1_ps(c));
+  if constexpr (std::is_same_v<out_t, float>) {
+    _mm512_storeu_ps(y, v);
+  } else {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    const __m256i lo = to_bf16_bits(_mm512_castps512_ps256(v));
+    const __m256i hi = to_bf16_bits(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
+#endif
+  }
+#else
+  __m256 v[2];
+  for (int half = 0; half < 2; ++half, bytes = _mm_srli_si128(bytes, 8)) {
+    const __m256i q = Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    v[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(a), _mm256_set1_ps(c));
+  }
+  if constexpr (std::is_same_v<out_t, float>) {
+    _mm256_storeu_ps(y, v[0]);
+    _mm256_storeu_ps(y + 8, v[1]);
+  } else {
+    const __m256i packed = _mm256_packus_epi32(to_bf16_bits(v[0]), to_bf16_bits(v[1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+#endif
+}
+
+// One weight row decoded into the GEMM's dtype.
+template <int64_t Type, typename out_t>
+void decode_row(const uint8_t* row, int64_t K, out_t* y) {
+  constexpr Layout kLayout = kLayoutOf<Type>;
+  for (int64_t k = 0; k < K; k += kLayout.values, row += kLayout.bytes) {
+    groups_of<Type>(row, [&](int g, __m256i u, float a0, float a1, float c0, float c1) __attribute__((always_inline)) {
+      out_t* out = y + k + 32 * g;
+      decode16<kSigned<Type>>(_mm256_castsi256_si128(u), a0, c0, out);
+      decode16<kSigned<Type>>(_mm256_extracti128_si256(u, 1), a1, c1, out + 16);
+    });
+  }
+}
+#else
+template <int64_t Type, typename out_t>
+void decode_row(const uint8_t* row, int64_t K, out_t* y) {
+  float values[kChunk];
+  for (int64_t k = 0; k < K; k += kChunk) {
+    const int64_t count = std::min(kChunk, K - k);
+    decode_values<Type>(row, k, count, values);
+    for (int64_t i = 0; i < count; ++i) y[k + i] = static_cast<out_t>(values[i]);
+  }
+}
+#endif
+
+constexpr int64_t kSliceBytes = 8 << 20;
+constexpr int64_t kSliceMinRows = 256;  // fewer output columns would leave the matmul below its speed
+
+template <int64_t Type>
+void gemm_slices(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const int64_t rows = std::min(std::max(kSliceMinRows, kSliceBytes / (p.K * x.element_size()) / 16 * 16), p.N);
+  thread_local torch::Tensor buffer;
+  if (!buffer.defined() || buffer.scalar_type() != x.scalar_type() || buffer.numel() < rows * p.K)
+    buffer = torch::empty({rows * p.K}, x.options());
+  const torch::Tensor bias = p.bias ? torch::from_blob(const_cast<float*>(p.bias), {p.N}) : torch::Tensor();
+  for (int64_t n0 = 0; n0 < p.N; n0 += rows) {
+    const int64_t count = std::min(rows, p.N - n0);
+    const torch::Tensor w = buffer.narrow(0, 0, count * p.K).view({count, p.K});
+    at::parallel_for(0, count, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* row = p.w + (n0 + r) * p.row_bytes;
+        if (bf16) decode_row<Type>(row, p.K, w.data_ptr<at::BFloat16>() + r * p.K);
+        else decode_row<Type>(row, p.K, w.data_ptr<float>() + r * p.K);
+      }
+    });
+    torch::Tensor part = at::mm(x, w.t());
+    if (bias.defined()) part.add_(bias.narrow(0, n0, count));
+    out.narrow(1, p.out_col + n0, count).copy_(part);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- dispatch
+
+template <int64_t Type>
+void run_type(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
+  if (p.M > kMaxWalkRows) return gemm_slices<Type>(x, p, out);
+  auto go = [&](const auto* xp) {
+    if (out.scalar_type() == torch::kBFloat16) walk<Type>(xp, p, out.data_ptr<at::BFloat16>());
+    else walk<Type>(xp, p, out.data_ptr<float>());
+  };
+  if (x.scalar_type() == torch::kBFloat16) go(x.data_ptr<at::BFloat16>());
+  else go(x.data_ptr<float>());
+}
+
+template <typename Fn>
+void with_type(int64_t type, Fn&& fn) {
+  switch (type) {
+    case kQ4_0: fn(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ5_0: fn(std::integral_constant<int64_t, kQ5_0>{}); break;
+    case kQ5_1: fn(std::integral_constant<int64_t, kQ5_1>{}); break;
+    case kQ8_0: fn(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ4_K: fn(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ5_K: fn(std::integral_constant<int64_t, kQ5_K>{}); break;
+    case kQ6_K: fn(std::integral_constant<int64_t, kQ6_K>{}); break;
+    default: TORCH_CHECK(false, "quant_linear does not read ggml type ", type);
+  }
+}
+
+// K of rows of `blocks` in `type`, checked.
+int64_t row_values(const torch::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(known_type(type), "quant_linear does not read ggml type ", type);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(),
+              "blocks must be contiguous uint8 [N, row bytes]");
+  const Layout layout = layout_of(type);
+  TORCH_CHECK(blocks.size(1) % layout.bytes == 0, "rows of ", blocks.size(1), " bytes are not whole blocks of ",
+              layout.bytes);
+  return blocks.size(1) / layout.bytes * layout.values;
+}
+
+}  // namespace
+
+bool quant_linear_reads(int64_t type) { return known_type(type); }
+
+// out[:, col : col + N] = x @ W.T (+ bias), W's rows [N, row bytes] of ggml blocks of `type`.
+// x [M, K] fp32 or bf16; out [M, >= col + N] contiguous, fp32 or bf16; bias [N] or empty.
+void quant_linear_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch::Tensor bias, torch::Tensor out,
+                      int64_t col) {
+  const int64_t K = row_values(blocks, type), N = blocks.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0) && col >= 0 &&
+              col + N <= out.size(1), "out must be contiguous [M, >= col + N]");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16, "out: fp32 or bf16");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias must have one value per output");
+  if (x.size(0) == 0 || N == 0) return;
+  x = x.contiguous();
+  const torch::Tensor bias32 = bias.numel() ? bias.to(torch::kFloat).contiguous() : bias;
+  const Problem p{blocks.data_ptr<uint8_t>(), blocks.size(1), K, N,
+                  bias.numel() ? bias32.data_ptr<float>() : nullptr, x.size(0), out.size(1), col};
+  with_type(type, [&](auto t) { run_type<decltype(t)::value>(x, p, out); });
+}
+
+// out[i] = row ids[i] of W decoded (an embedding lookup over a weight held as blocks); out [len(ids), K]
+// contiguous fp32 or bf16.
+void quant_rows_out(torch::Tensor blocks, int64_t type, torch::Tensor ids, torch::Tensor out) {
+  const int64_t K = row_values(blocks, type), N = blocks.size(0);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "ids must be int64 [n]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0) && out.size(1) == K,
+              "out must be contiguous [len(ids), K]");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16, "out: fp32 or bf16");
+  ids = ids.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "row id ", id[i], " out of range");
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  with_type(type, [&](auto t) {
+    constexpr int64_t Type = decltype(t)::value;
+    at::parallel_for(0, ids.size(0), 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        if (out.scalar_type() == torch::kFloat) decode_row<Type>(w + id[i] * row_bytes, K, out.data_ptr<float>() + i * K);
+        else decode_row<Type>(w + id[i] * row_bytes, K, out.data_ptr<at::BFloat16>() + i * K);
+      }
+    });
+  });
+}

@@ -1,0 +1,99 @@
+"""Matmul weights held as their GGUF file holds them: rows of ggml blocks, read in place by
+csrc/quant_linear.cpp for every batch size, so a quantized model's weights cost its file's bytes.
+
+A weight is one or more parts, each rows of one block type: a fused weight (q/k/v, gate/up) is the rows of its
+checkpoint tensors one after the other, which works because ggml blocks never straddle rows; Q4_K_M files mix
+types within one fused weight (Q6_K v rows under Q4_K q and k rows), so each type is its own part and its own
+kernel call, writing its columns of the output. The token embedding held this way decodes only the rows it
+looks up.
+
+Only with the CPU kernels: the portable path (KVSERVE_CPU_KERNELS=0) and tensor-parallel shards keep the
+loader's dequantized weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import torch
+
+# ggml type ids (gguf.GGMLQuantizationType) that quant_linear.cpp reads: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+# Q5_K, Q6_K.
+QUANT_LINEAR_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+
+_NO_BIAS = torch.empty(0)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantPart:
+    """Rows of a weight in one ggml block type, as the file stores them."""
+
+    ggml_type: int
+    blocks: torch.Tensor  # uint8 [rows, row bytes], contiguous
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        values, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.ggml_type)]
+        return self.blocks.shape[1] // nbytes * values
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [rows, in_features] these blocks encode, as gguf.quants decodes them (a reference)."""
+        values = gguf.quants.dequantize(self.blocks.numpy(), gguf.GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(values.copy())
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class QuantWeight:
+    """A matmul weight [out_features, in_features] as GGUF blocks, with the kernels that read them."""
+
+    parts: tuple[QuantPart, ...]
+    in_features: int
+    kernels: object  # the C++ module (cpu_kernels)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.rows for part in self.parts), self.in_features
+
+    def numel(self) -> int:
+        rows, cols = self.shape
+        return rows * cols
+
+    def nbytes(self) -> int:
+        return sum(part.blocks.numel() for part in self.parts)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T + bias, in x's dtype."""
+        out = torch.empty(x.shape[0], self.shape[0], dtype=x.dtype)
+        column = 0
+        for part in self.parts:
+            part_bias = _NO_BIAS if bias is None else bias[column : column + part.rows]
+            self.kernels.quant_linear_out(x, part.blocks, part.ggml_type, part_bias, out, column)
+            column += part.rows
+        return out
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight, decoded (an embedding lookup): [len(ids), in_features] in `dtype`."""
+        if len(self.parts) != 1:
+            raise ValueError("row lookups read weights of one block type")
+        part = self.parts[0]
+        out = torch.empty(ids.shape[0], self.in_features, dtype=dtype)
+        self.kernels.quant_rows_out(part.blocks, part.ggml_type, ids.long(), out)
+        return out
+
+
+def merge_parts(parts: list[QuantPart]) -> tuple[QuantPart, ...]:
+    """Adjacent parts of one type joined into one (one kernel call, one copy of their rows); every part comes
+    out contiguous and owning its bytes (not a view of a mapped file)."""
+    merged: list[list[QuantPart]] = []
+    for part in parts:
+        if merged and merged[-1][0].ggml_type == part.ggml_type:
+            merged[-1].append(part)
+        else:
+            merged.append([part])
+    return tuple(QuantPart(run[0].ggml_type, torch.cat([p.blocks for p in run]) if len(run) > 1
+                           else run[0].blocks.clone(memory_format=torch.contiguous_format)) for run in merged)
