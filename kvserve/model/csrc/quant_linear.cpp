@@ -219,6 +219,23 @@ inline void store(out_t* out, const Problem& p, int64_t m, int64_t n, float valu
   out[m * p.out_stride + p.out_col + n] = static_cast<out_t>(value + (p.bias ? p.bias[n] : 0.f));
 }
 
+// Calls f(std::integral_constant<int, M>) for the batch's 1 to kMaxWalkRows rows, so the walk's accumulators
+// are sized at compile time.
+template <typename F>
+void with_rows(int64_t M, F&& f) {
+  static_assert(kMaxWalkRows == 8, "one case per row count");
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 #if defined(__AVX2__)
 // A decode step reads each weight byte for M multiply-adds, so the walk must keep up with memory: as llama.cpp
 // does, x is quantized to int8 (one scale per 32 values for the 32-value block types, per 256 for the
@@ -490,16 +507,7 @@ template <int64_t Type, typename in_t, typename out_t>
 void walk(const in_t* x, const Problem& p, out_t* out) {
   const QuantizedX qx = quantize_x(x, p.M, p.K, kSuperBlocks<Type> ? 256 : 32);
   at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
-    switch (p.M) {
-      case 1: walk_rows_of<Type, 1>(qx, p, n0, n1, out); break;
-      case 2: walk_rows_of<Type, 2>(qx, p, n0, n1, out); break;
-      case 3: walk_rows_of<Type, 3>(qx, p, n0, n1, out); break;
-      case 4: walk_rows_of<Type, 4>(qx, p, n0, n1, out); break;
-      case 5: walk_rows_of<Type, 5>(qx, p, n0, n1, out); break;
-      case 6: walk_rows_of<Type, 6>(qx, p, n0, n1, out); break;
-      case 7: walk_rows_of<Type, 7>(qx, p, n0, n1, out); break;
-      default: walk_rows_of<Type, 8>(qx, p, n0, n1, out); break;
-    }
+    with_rows(p.M, [&](auto rows) { walk_rows_of<Type, decltype(rows)::value>(qx, p, n0, n1, out); });
   });
 }
 #else
@@ -522,16 +530,7 @@ void walk_rows(const in_t* x, const Problem& p, int64_t n0, int64_t n1, out_t* o
 template <int64_t Type, typename in_t, typename out_t>
 void walk(const in_t* x, const Problem& p, out_t* out) {
   at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
-    switch (p.M) {
-      case 1: walk_rows<Type, 1>(x, p, n0, n1, out); break;
-      case 2: walk_rows<Type, 2>(x, p, n0, n1, out); break;
-      case 3: walk_rows<Type, 3>(x, p, n0, n1, out); break;
-      case 4: walk_rows<Type, 4>(x, p, n0, n1, out); break;
-      case 5: walk_rows<Type, 5>(x, p, n0, n1, out); break;
-      case 6: walk_rows<Type, 6>(x, p, n0, n1, out); break;
-      case 7: walk_rows<Type, 7>(x, p, n0, n1, out); break;
-      default: walk_rows<Type, 8>(x, p, n0, n1, out); break;
-    }
+    with_rows(p.M, [&](auto rows) { walk_rows<Type, decltype(rows)::value>(x, p, n0, n1, out); });
   });
 }
 #endif
