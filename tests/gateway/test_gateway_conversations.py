@@ -79,12 +79,15 @@ def test_streamed_turn_is_passed_through_and_stored_as_streamed(backends, redis)
     gateway = start_gateway(gateway_settings([b.url for b in backends], redis_url=redis.url))
     try:
         client = gateway.openai()
-        deltas = []
+        deltas, token_chunks = [], 0
+        # logprobs: a chunk for every token, even one whose bytes do not finish a character yet (the random
+        # model's text may hold back all its bytes until the last token)
         for chunk in client.chat.completions.create(
                 model=MODEL_NAME, messages=[SYSTEM, {"role": "user", "content": QUESTIONS[0]}], max_tokens=8,
-                temperature=0, stream=True, extra_body={"conversation": "streamed"}):
+                temperature=0, stream=True, logprobs=True, extra_body={"conversation": "streamed"}):
             deltas.extend(choice.delta.content or "" for choice in chunk.choices)
-        assert len([d for d in deltas if d]) > 1  # many chunks, not one buffered blob
+            token_chunks += sum(1 for choice in chunk.choices if choice.logprobs and choice.logprobs.content)
+        assert token_chunks > 1  # many chunks, not one buffered blob
         assert stored_messages(gateway, "streamed")[-1] == {"role": "assistant", "content": "".join(deltas)}
         completion, _ = conversation_turn(gateway, "streamed", [{"role": "user", "content": QUESTIONS[1]}])
         assert completion.usage.prompt_tokens_details.cached_tokens > 0
