@@ -244,7 +244,6 @@ void with_rows(int64_t M, F&& f) {
 // unsigned, so sum(value * x) = a * dot(u, qx) * dx + c * sum(qx) * dx; a K-quant's sub-block scales are
 // integers, so a super-block's products add up in int32 and meet fp32 once.
 struct QuantizedX {
-  int64_t group;               // values per scale: 32 or 256
   std::vector<int8_t> q;       // [M, K]
   std::vector<float> d;        // [M, K / group]
   std::vector<int16_t> sums;   // [M, K / 16] each 16 values' sum of q
@@ -253,7 +252,7 @@ struct QuantizedX {
 template <typename in_t>
 QuantizedX quantize_x(const in_t* x, int64_t M, int64_t K, int64_t group) {
   const int64_t groups = M * K / group;
-  QuantizedX qx{group, std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<int16_t>(M * K / 16)};
+  QuantizedX qx{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<int16_t>(M * K / 16)};
   std::vector<float> v(group);
   for (int64_t g = 0; g < groups; ++g) {
     float amax = 0.f;
@@ -436,78 +435,73 @@ __attribute__((always_inline)) inline void groups_of(const uint8_t* b, F&& f) {
   }
 }
 
-// The 32-value block types: a float scale per block, so each group's dot product meets fp32 right away.
+// One block of a 32-value type (block b of the row): a float scale per block, so each group's dot product meets
+// fp32 right away.
+template <int64_t Type, int M>
+__attribute__((always_inline)) inline void add_block(const uint8_t* block, int64_t b, const QuantizedX& qx,
+                                                     const Problem& p, __m256* acc, float* offset) {
+  const int64_t blocks = p.K / 32;
+  groups_of<Type>(block, [&](int, __m256i u, float a, float, float c, float) __attribute__((always_inline)) {
+    const __m256i w = kSigned<Type> ? _mm256_sign_epi8(u, u) : u;
+    for (int m = 0; m < M; ++m) {
+      __m256i x = load256(reinterpret_cast<const uint8_t*>(qx.q.data() + m * p.K + b * 32));
+      if constexpr (kSigned<Type>) x = _mm256_sign_epi8(x, u);
+      const float dx = qx.d[m * blocks + b];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(w, x)), _mm256_set1_ps(a * dx), acc[m]);
+      if constexpr (!kSigned<Type>) {
+        const int16_t* sums = qx.sums.data() + m * 2 * blocks + 2 * b;
+        offset[m] += c * dx * static_cast<float>(sums[0] + sums[1]);
+      }
+    }
+  });
+}
+
+// One K-quant super-block (block b of the row): integer sums of u * x * scale, and of the mins times x's sums
+// per 16, meeting fp32 once.
+template <int64_t Type, int M>
+__attribute__((always_inline)) inline void add_super_block(const uint8_t* block, int64_t b, const QuantizedX& qx,
+                                                           const Problem& p, __m256* acc, float* offset) {
+  const int64_t blocks = p.K / 256;
+  __m256i isum[M];
+  for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
+  float d_scale, d_min;
+  __m256i mins;
+  super_block<Type>(block, [&](int g, __m256i u, __m256i scale) __attribute__((always_inline)) {
+    for (int m = 0; m < M; ++m) {
+      const __m256i x = load256(reinterpret_cast<const uint8_t*>(qx.q.data() + m * p.K + b * 256 + g * 32));
+      isum[m] = _mm256_add_epi32(isum[m], scaled_dot(u, x, scale));
+    }
+  }, d_scale, d_min, mins);
+  for (int m = 0; m < M; ++m) {
+    const float dx = qx.d[m * blocks + b];
+    const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.sums.data() + (m * blocks + b) * 16));
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d_scale * dx), acc[m]);
+    offset[m] -= d_min * dx * static_cast<float>(hsum(_mm256_madd_epi16(sums, mins)));
+  }
+}
+
 template <int64_t Type, int M, typename out_t>
 void walk_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, out_t* out) {
   constexpr Layout kLayout = kLayoutOf<Type>;
-  const int64_t blocks = p.K / 32;
+  const int64_t blocks = p.K / kLayout.values;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* block = p.w + n * p.row_bytes;
     __m256 acc[M];
     float offset[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), offset[m] = 0.f;
     for (int64_t b = 0; b < blocks; ++b, block += kLayout.bytes) {
-      groups_of<Type>(block, [&](int, __m256i u, float a, float, float c, float) __attribute__((always_inline)) {
-        const __m256i w = kSigned<Type> ? _mm256_sign_epi8(u, u) : u;
-        for (int m = 0; m < M; ++m) {
-          __m256i x = load256(reinterpret_cast<const uint8_t*>(qx.q.data() + m * p.K + b * 32));
-          if constexpr (kSigned<Type>) x = _mm256_sign_epi8(x, u);
-          const float dx = qx.d[m * blocks + b];
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(w, x)), _mm256_set1_ps(a * dx), acc[m]);
-          if constexpr (!kSigned<Type>) {
-            const int16_t* sums = qx.sums.data() + m * 2 * blocks + 2 * b;
-            offset[m] += c * dx * static_cast<float>(sums[0] + sums[1]);
-          }
-        }
-      });
+      if constexpr (kSuperBlocks<Type>) add_super_block<Type, M>(block, b, qx, p, acc, offset);
+      else add_block<Type, M>(block, b, qx, p, acc, offset);
     }
     for (int m = 0; m < M; ++m) store(out, p, m, n, hsum(acc[m]) + offset[m]);
   }
-}
-
-// The K-quants: per super-block, integer sums of u * x * scale, and of the mins times x's sums per 16.
-template <int64_t Type, int M, typename out_t>
-void walk_super_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, out_t* out) {
-  constexpr Layout kLayout = kLayoutOf<Type>;
-  const int64_t blocks = p.K / 256;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* block = p.w + n * p.row_bytes;
-    __m256 acc[M];
-    float offset[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), offset[m] = 0.f;
-    for (int64_t b = 0; b < blocks; ++b, block += kLayout.bytes) {
-      __m256i isum[M];
-      for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
-      float d_scale, d_min;
-      __m256i mins;
-      super_block<Type>(block, [&](int g, __m256i u, __m256i scale) __attribute__((always_inline)) {
-        for (int m = 0; m < M; ++m) {
-          const __m256i x = load256(reinterpret_cast<const uint8_t*>(qx.q.data() + m * p.K + b * 256 + g * 32));
-          isum[m] = _mm256_add_epi32(isum[m], scaled_dot(u, x, scale));
-        }
-      }, d_scale, d_min, mins);
-      for (int m = 0; m < M; ++m) {
-        const float dx = qx.d[m * blocks + b];
-        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.sums.data() + (m * blocks + b) * 16));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d_scale * dx), acc[m]);
-        offset[m] -= d_min * dx * static_cast<float>(hsum(_mm256_madd_epi16(sums, mins)));
-      }
-    }
-    for (int m = 0; m < M; ++m) store(out, p, m, n, hsum(acc[m]) + offset[m]);
-  }
-}
-
-template <int64_t Type, int M, typename out_t>
-void walk_rows_of(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, out_t* out) {
-  if constexpr (kSuperBlocks<Type>) walk_super_rows<Type, M>(qx, p, n0, n1, out);
-  else walk_rows<Type, M>(qx, p, n0, n1, out);
 }
 
 template <int64_t Type, typename in_t, typename out_t>
 void walk(const in_t* x, const Problem& p, out_t* out) {
   const QuantizedX qx = quantize_x(x, p.M, p.K, kSuperBlocks<Type> ? 256 : 32);
   at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
-    with_rows(p.M, [&](auto rows) { walk_rows_of<Type, decltype(rows)::value>(qx, p, n0, n1, out); });
+    with_rows(p.M, [&](auto rows) { walk_rows<Type, decltype(rows)::value>(qx, p, n0, n1, out); });
   });
 }
 #else
