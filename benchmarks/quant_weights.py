@@ -5,7 +5,7 @@
 
 kernels: the matmuls of Qwen2.5-1.5B's shapes, its real blocks (layer 0's q, k, gate+up, down; the head), at
   M = 1, 2 (GB/s of blocks read) and M = 32, 256, 2048 (GFLOP/s), quant_linear against oneDNN's packed bf16
-  matmul over the same weights dequantized (today's path for M > 2), with the ratio.
+  matmul over the same weights dequantized (the --gguf-weights dequantized path), with the ratio.
 model: this tree and `--baseline` (another checkout, e.g. main), each in its own process, one after the other:
   resident weight bytes against the file's tensor bytes, single-stream decode ms/token, and a 2,000-token
   prefill (uncached); with the ratios, and the fraction of this machine's bound each reaches (decode: the bytes
