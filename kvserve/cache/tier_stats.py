@@ -19,6 +19,7 @@ class TierStats:
     offloaded_bytes: int = 0
     loaded_bytes: int = 0
     skipped_slower_than_recompute: int = 0
+    skipped_writes: int = 0  # blocks not stored: the tier's write queue was full
     # A histogram of block load latency: counts per LOAD_BUCKETS upper bound (the last is +inf), and the sum.
     load_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))
     load_seconds_sum: float = 0.0

@@ -169,6 +169,8 @@ class EngineCollector(Collector):
             "kvserve:kv_tier_offloaded_blocks": ("Blocks written to the tier.", lambda t: t.offloaded_blocks),
             "kvserve:kv_tier_skipped_loads": ("Tier hits not loaded: the load would take longer than recomputing.",
                                               lambda t: t.skipped_slower_than_recompute),
+            "kvserve:kv_tier_skipped_writes": ("Blocks not written to the tier: its write queue was full (a disk "
+                                               "slower than blocks are evicted).", lambda t: t.skipped_writes),
         }
         for name, (doc, value) in families.items():
             family = CounterMetricFamily(name, doc, labels=LABELS + ["tier"])

@@ -1,6 +1,7 @@
 """The disk tier owns its folder: at start it removes what it cannot use (another fingerprint, another layout,
 partial files, headers of the wrong shape, temporaries of a killed write) and leaves others' files alone; one
-process at a time; files 0600 in a 0700 folder, each fsynced before it is renamed into place."""
+process at a time; files 0600 in a 0700 folder, each fsynced before it is renamed into place; a bounded write
+queue."""
 
 import json
 import os
@@ -9,12 +10,14 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 import torch
 
 from kvserve.cache.storage.block_file import LAYOUT_VERSION, MAGIC, SUFFIX, encode_block_file
+from kvserve.cache.storage import disk_tier
 from kvserve.cache.storage.disk_tier import DiskTier
 
 FINGERPRINT = "the-model-and-format"
@@ -114,6 +117,32 @@ def test_each_file_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypa
     assert len(renames) == 2
     for path in renames:
         assert events.index(("fsync", path)) < events.index(("rename", path))
+
+
+def test_blocks_beyond_the_write_queue_are_counted_not_written_and_the_rest_are_stored(tmp_path, monkeypatch):
+    disk_free = threading.Event()  # the writer waits on it: a disk slower than the blocks arrive
+    real_write = disk_tier.write_durably
+
+    def slow_write(path, data):
+        disk_free.wait()
+        real_write(path, data)
+
+    monkeypatch.setattr(disk_tier, "write_durably", slow_write)
+    tier = DiskTier(tmp_path, CAPACITY, FINGERPRINT, PAYLOAD_BYTES, max_pending_bytes=2 * PAYLOAD_BYTES)
+    hashes = [index.to_bytes(16, "big") for index in range(5)]
+    try:
+        tier.put(hashes, [payload(index) for index in range(5)])
+        assert tier.stats.skipped_writes == 3
+        assert tier.contains(hashes) == [True, True, False, False, False]
+        disk_free.set()
+        assert tier.flush(deadline=time.monotonic() + 60)
+        assert all(torch.equal(got, payload(index)) for index, got in enumerate(tier.get(hashes[:2])))
+        tier.put(hashes[2:4], [payload(index) for index in range(2, 4)])  # room again once written
+    finally:
+        tier.close()
+    assert tier.stats.skipped_writes == 3
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.endswith(SUFFIX)) == \
+        sorted(f"{block_hash.hex()}{SUFFIX}" for block_hash in hashes[:4])
 
 
 SECOND_PROCESS = textwrap.dedent("""

@@ -7,6 +7,9 @@ or layout), partial or corrupt ones, JSON headers of the wrong shape, and the te
 process left; other files in the folder are left alone. A file found corrupt at read time is deleted and its
 tokens recomputed. Files are written 0600 to a temporary name, fsynced, then renamed, on a worker thread; a full
 disk or any I/O error logs one warning and degrades to recompute, never fails a request.
+
+Blocks queued beyond MAX_PENDING_BYTES (a disk slower than evictions arrive) are not written, and counted
+(`kvserve:kv_tier_skipped_writes`): their tokens are recomputed if asked for again. Memory stays bounded.
 """
 
 from __future__ import annotations
@@ -34,13 +37,15 @@ from kvserve.private_paths import make_private_folders
 logger = logging.getLogger("kvserve.cache")
 
 DEFAULT_DISK_BYTES_PER_S = 1e9  # until a read has been timed
+MAX_PENDING_BYTES = 256 * 2**20  # payloads queued for the writer, readable meanwhile
 
 
 class DiskTier:
     name = "disk"
     persistent = True
 
-    def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str, payload_bytes: int) -> None:
+    def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str, payload_bytes: int,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.path = Path(path)
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
@@ -53,6 +58,8 @@ class DiskTier:
         self.index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file bytes, least recent first
         self.used_bytes = 0
         self._pending: dict[BlockHash, torch.Tensor] = {}  # queued for the writer, readable meanwhile
+        self._pending_bytes = 0
+        self.max_pending_bytes = max(max_pending_bytes, payload_bytes)  # room for one block at least
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._warned = False
@@ -119,9 +126,21 @@ class DiskTier:
             with self._lock:
                 if block_hash in self.index or block_hash in self._pending:
                     continue
+                if self._pending_bytes + payload.numel() > self.max_pending_bytes:
+                    self._skip_write()
+                    continue
                 self._pending[block_hash] = payload
+                self._pending_bytes += payload.numel()
             self._queue.put(block_hash)
         return []
+
+    def _skip_write(self) -> None:
+        """Under the lock: a block the writer has no room for."""
+        self.stats.skipped_writes += 1
+        if self.stats.skipped_writes == 1:
+            logger.warning("KV disk tier: %.1f MiB of blocks are waiting to be written; blocks beyond are not written "
+                           "(the disk is slower than blocks are evicted) and their tokens are recomputed",
+                           self.max_pending_bytes / 2**20)
 
     def get(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         return [self._get_one(block_hash) for block_hash in hashes]
@@ -174,10 +193,11 @@ class DiskTier:
                 return
             with self._lock:
                 payload = self._pending.get(block_hash)
-            if payload is not None:
+            if payload is not None:  # else dropped by close
                 self._write(block_hash, payload)
             with self._lock:
-                self._pending.pop(block_hash, None)
+                if self._pending.pop(block_hash, None) is not None:
+                    self._pending_bytes -= payload.numel()
 
     def _write(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         data = encode_block_file(self.fingerprint, payload.numpy().tobytes())
@@ -220,6 +240,7 @@ class DiskTier:
         if not self.flush(deadline):
             with self._lock:
                 self._pending.clear()
+                self._pending_bytes = 0
         self._queue.put(None)
         self._writer.join(timeout=10)
         self._folder_lock.release()
