@@ -232,9 +232,7 @@ def run_kvserve(model: Model, prompts: Prompts, extra_flags: list[str]) -> list[
     path = None if model.key == "demo" else str(model.gguf)
     results = []
     for caching in (True, False) if model.key == "demo" else (True,):
-        spec = kvserve_spec(caching, path)
-        spec.command += extra_flags
-        spec.shown_command = " ".join([spec.shown_command, *extra_flags])
+        spec = kvserve_spec(caching, path, extra_flags)
         result = Result(model.key, "kvserve", f"caching {'on' if caching else 'off'}", spec.shown_command,
                         "as kvserve loads the GGUF", model.file_bytes)
         a_runs = ({"first": {}, "second": {}} if caching else {"first": {}}) if model.key == "demo" else {}

@@ -220,10 +220,11 @@ class ServerProcess:
             self.process.wait()
 
 
-def kvserve_spec(caching: bool, model: str | None) -> ServerSpec:
+def kvserve_spec(caching: bool, model: str | None, extra_flags: list[str] | None = None) -> ServerSpec:
     flags = ["--max-model-len", "4096", "--kv-cache-memory", "2", "--max-num-seqs", "64"]
     flags += [] if caching else ["--no-enable-prefix-caching"]
     flags += ["--model", model] if model else []
+    flags += extra_flags or []
     quiet = ["--disable-log-stats", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
     state = "on" if caching else "off"
     return ServerSpec(f"kvserve-{state}", f"kvserve, prefix caching {state}",
