@@ -490,6 +490,7 @@ void walk_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, o
     float offset[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), offset[m] = 0.f;
     for (int64_t b = 0; b < blocks; ++b, block += kLayout.bytes) {
+      simd::prefetch_ahead(block, kLayout.bytes);
       if constexpr (kSuperBlocks<Type>) add_super_block<Type, M>(block, b, qx, p, acc, offset);
       else add_block<Type, M>(block, b, qx, p, acc, offset);
     }

@@ -39,6 +39,7 @@ void rows_widened(const float* x, const w_t* w, const float* bias, int64_t K, in
     Simd::V a0[M], a1[M];
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = Simd::zero();
     for (; k + 2 * L <= K; k += 2 * L) {
+      simd::prefetch_ahead(row + k, 2 * L * sizeof(w_t));
       const Simd::V w0 = Simd::load(row + k), w1 = Simd::load(row + k + L);
       for (int m = 0; m < M; ++m) {
         a0[m] = Simd::fmadd(w0, Simd::load(x + m * K + k), a0[m]);
@@ -67,6 +68,7 @@ void rows_bf16(const at::BFloat16* x, const at::BFloat16* w, const float* bias, 
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
+      simd::prefetch_ahead(row + k, 128);
       const __m512bh w0 = load(row + k), w1 = load(row + k + 32);
       for (int m = 0; m < M; ++m) {
         a0[m] = _mm512_dpbf16_ps(a0[m], w0, load(x + m * K + k));
