@@ -11,13 +11,16 @@ from gguf_fixtures import byte_level_tokenizer_spec, random_k_quant, tiny_hf_mod
 from kernel_families import FAMILIES, kernels_for
 from test_model_parity import kvserve_logits
 
+from kvserve.model.cpu_isa import has_amx_bf16
 from kvserve.model.loader import load_model
 from kvserve.model.quant_weight import QUANT_LINEAR_TYPES, QuantPart, QuantWeight
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-BATCH_ROWS = (1, 2, 3, 8, 9, 64, 300)  # the walk (1-8 rows), then decoded slices through torch's matmul
+# The walk (1-8 rows); with bf16 x on a CPU with AMX, tiles decoded in L1 (9-48 rows: one, three partial and
+# three whole tiles of x's rows); then decoded slices through torch's matmul.
+BATCH_ROWS = (1, 2, 3, 8, 9, 33, 48, 49, 300)
 WALK_ROWS = 8
 # The walk's int8 activations move these random models' logits by 0.6-1.5% of their largest (llama.cpp's decode
 # rounds the same way); a slip in a block's decoding moves them by far more.
@@ -74,6 +77,14 @@ def test_linear_matches_the_encoded_weights(isa, tensor_type, dtype):
     reference = part.dequantize().double()
     assert weight.shape == (77, cols) and weight.nbytes() == part.blocks.numel()
     check_linear(weight, reference, dtype, seed=1)
+
+
+@FAMILIES
+def test_batched_decode_runs_on_amx_tiles_where_the_cpu_has_them(isa):
+    """9-48 rows of bf16 x run on AMX tiles exactly where the family is AVX512-BF16 and the CPU has AMX (the
+    slices elsewhere), so the matmul tests above check that path there."""
+    expected = isa.native_bf16 and has_amx_bf16()
+    assert kernels_for(isa).quant_linear_uses_amx() == expected
 
 
 @FAMILIES

@@ -1488,6 +1488,7 @@ void quant_linear_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch
                       int64_t col);
 void quant_rows_out(torch::Tensor blocks, int64_t type, torch::Tensor ids, torch::Tensor out);
 bool quant_linear_reads(int64_t type);
+bool quant_linear_uses_amx();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
@@ -1519,4 +1520,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[:, col:col+N] = x @ W.T (+ bias), W held as rows of GGUF blocks, any batch size (CPU)");
   m.def("quant_rows_out", &quant_rows_out, "rows of a weight held as GGUF blocks, decoded (embedding lookup) (CPU)");
   m.def("quant_linear_reads", &quant_linear_reads, "whether quant_linear reads this ggml type");
+  m.def("quant_linear_uses_amx", &quant_linear_uses_amx, "whether batched decode over blocks runs on AMX tiles");
 }

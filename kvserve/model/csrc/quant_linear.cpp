@@ -7,7 +7,8 @@
 //   weights unpacked in registers and multiplied by integer dot products, as llama.cpp does.
 // - More rows (batched decode, prefill): chunks of weight rows decoded into x's dtype, a cache's worth at a
 //   time, and multiplied by torch's matmul: the same arithmetic as a dequantized weight's matmul, without ever
-//   holding the whole weight dequantized.
+//   holding the whole weight dequantized. On CPUs with AMX, 9 to 48 rows of bf16 x (a batched decode step)
+//   multiply 16 weight rows at a time, decoded into a tile in L1, with AMX's tile products instead.
 //
 // Values are decoded as ggml (and gguf.quants) define them. Accumulation is fp32, the result rounded once.
 #include <torch/extension.h>
@@ -19,6 +20,12 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "simd.h"
 
@@ -579,17 +586,20 @@ inline void decode16(__m128i bytes, float a, float c, out_t* y) {
 #endif
 }
 
+// One block decoded into the GEMM's dtype: y[0, values of the block).
+template <int64_t Type, typename out_t>
+__attribute__((always_inline)) inline void decode_block(const uint8_t* block, out_t* y) {
+  groups_of<Type>(block, [&](int g, __m256i u, float a0, float a1, float c0, float c1) __attribute__((always_inline)) {
+    decode16<kSigned<Type>>(_mm256_castsi256_si128(u), a0, c0, y + 32 * g);
+    decode16<kSigned<Type>>(_mm256_extracti128_si256(u, 1), a1, c1, y + 32 * g + 16);
+  });
+}
+
 // One weight row decoded into the GEMM's dtype.
 template <int64_t Type, typename out_t>
 void decode_row(const uint8_t* row, int64_t K, out_t* y) {
   constexpr Layout kLayout = kLayoutOf<Type>;
-  for (int64_t k = 0; k < K; k += kLayout.values, row += kLayout.bytes) {
-    groups_of<Type>(row, [&](int g, __m256i u, float a0, float a1, float c0, float c1) __attribute__((always_inline)) {
-      out_t* out = y + k + 32 * g;
-      decode16<kSigned<Type>>(_mm256_castsi256_si128(u), a0, c0, out);
-      decode16<kSigned<Type>>(_mm256_extracti128_si256(u, 1), a1, c1, out + 16);
-    });
-  }
+  for (int64_t k = 0; k < K; k += kLayout.values, row += kLayout.bytes) decode_block<Type>(row, y + k);
 }
 #else
 template <int64_t Type, typename out_t>
@@ -630,10 +640,152 @@ void gemm_slices(const torch::Tensor& x, const Problem& p, const torch::Tensor& 
   }
 }
 
+// ---------------------------------------------------------------------------------------------- AMX: batched decode
+#if defined(__AVX512BF16__) && defined(__x86_64__)
+#define KVSERVE_AMX 1
+// A batched decode step (9 to kAmxMaxRows rows of bf16 x) on CPUs with AMX. The slices above pay for writing
+// the decoded weights out and for oneDNN reordering them; here each block of 16 weight rows is decoded into a
+// tile in L1 and multiplied there by AMX's bf16 tile product, so the weights are read once, from their blocks,
+// and never leave L1 decoded. The weights are the product's left tile (16 of their rows, 32 values each, as
+// decoded: no reordering) and x its right one (x's rows as bf16 pairs, laid out once per call), so each result
+// tile is 16 weight rows by 16 rows of x, transposed on its way out. The arithmetic is the slices': weights
+// rounded to bf16, products summed in fp32, the result rounded once.
+constexpr int64_t kAmxMaxRows = 48;  // three result tiles: with two weight and three x registers, all eight
+constexpr int64_t kAmxTileRows = 16;
+constexpr int64_t kAmxTileValues = 32;  // bf16 values in a tile row (64 bytes)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this CPU has AMX-BF16 and Linux lets this process use its tiles (asked once: arch_prctl).
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return amx_bf16 && amx_tile && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// x [M, K] bf16 as tiles' right operand: pair p of row m (values 2p, 2p + 1) at [p][m], rows padded with zeros to
+// a whole tile (Mp, a multiple of 16).
+std::vector<uint32_t> x_as_pairs(const at::BFloat16* x, int64_t M, int64_t K, int64_t Mp) {
+  std::vector<uint32_t> pairs(K / 2 * Mp, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < K / 2; ++p) std::memcpy(&pairs[p * Mp + m], x + m * K + 2 * p, 4);
+  return pairs;
+}
+
+// Tile registers: 0 and 7 the weights (alternating), 1, 5 and 6 x's row tiles 0-2, 2-4 their results.
+template <int64_t Type, typename out_t>
+__attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline))
+void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64_t t0, int64_t t1, out_t* out) {
+  constexpr Layout kLayout = kLayoutOf<Type>;
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = kAmxTileRows, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+  // Two buffers: block b + 1 is decoded while block b's tiles are multiplied, so a tile load never waits for
+  // the stores that just wrote it.
+  alignas(64) at::BFloat16 weights[2][kAmxTileRows][kLayout.values];
+  alignas(64) float result[kAmxTileRows][kAmxTileRows];
+  const int64_t x_tiles = Mp / kAmxTileRows, pair_stride = Mp * 4, blocks = p.K / kLayout.values;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * kAmxTileRows, rows = std::min(kAmxTileRows, p.N - n0);
+    if (rows < kAmxTileRows) std::memset(weights, 0, sizeof(weights));
+    auto decode = [&](int64_t b) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayout.bytes;
+        simd::prefetch_ahead(block, kLayout.bytes);
+        decode_block<Type>(block, weights[b & 1][r]);
+      }
+    };
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    decode(0);
+    int64_t step = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (b + 1 < blocks) decode(b + 1);
+      const int64_t k = b * kLayout.values;
+      for (int64_t j = 0; j < kLayout.values; j += kAmxTileValues) {
+        // Each operand alternates between registers, so a load never waits for the products still reading the
+        // previous one (tiles are not renamed).
+        const uint32_t* x_pairs = pairs + (k + j) / 2 * Mp;
+        if (step++ % 2 == 0) {
+          _tile_loadd(0, &weights[b & 1][0][j], kLayout.values * 2);
+          _tile_loadd(1, x_pairs, pair_stride);
+          _tile_dpbf16ps(2, 0, 1);
+          if (x_tiles > 1) {
+            _tile_loadd(5, x_pairs + 16, pair_stride);
+            _tile_dpbf16ps(3, 0, 5);
+          }
+          if (x_tiles > 2) {
+            _tile_loadd(6, x_pairs + 32, pair_stride);
+            _tile_dpbf16ps(4, 0, 6);
+          }
+        } else {
+          _tile_loadd(7, &weights[b & 1][0][j], kLayout.values * 2);
+          _tile_loadd(1, x_pairs, pair_stride);
+          _tile_dpbf16ps(2, 7, 1);
+          if (x_tiles > 1) {
+            _tile_loadd(5, x_pairs + 16, pair_stride);
+            _tile_dpbf16ps(3, 7, 5);
+          }
+          if (x_tiles > 2) {
+            _tile_loadd(6, x_pairs + 32, pair_stride);
+            _tile_dpbf16ps(4, 7, 6);
+          }
+        }
+      }
+    }
+    for (int64_t xt = 0; xt < x_tiles; ++xt) {
+      switch (xt) {  // tile registers are named by constants
+        case 0: _tile_stored(2, result, 64); break;
+        case 1: _tile_stored(3, result, 64); break;
+        default: _tile_stored(4, result, 64); break;
+      }
+      const int64_t m1 = std::min(p.M, (xt + 1) * kAmxTileRows);
+      for (int64_t m = xt * kAmxTileRows; m < m1; ++m)
+        for (int64_t r = 0; r < rows; ++r) store(out, p, m, n0 + r, result[r][m - xt * kAmxTileRows]);
+    }
+  }
+  _tile_release();
+}
+
+template <int64_t Type>
+void amx_gemm(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
+  const int64_t Mp = (p.M + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows;
+  const std::vector<uint32_t> pairs = x_as_pairs(x.data_ptr<at::BFloat16>(), p.M, p.K, Mp);
+  at::parallel_for(0, (p.N + kAmxTileRows - 1) / kAmxTileRows, 1, [&](int64_t t0, int64_t t1) {
+    if (out.scalar_type() == torch::kBFloat16) amx_weight_tiles<Type>(p, pairs.data(), Mp, t0, t1, out.data_ptr<at::BFloat16>());
+    else amx_weight_tiles<Type>(p, pairs.data(), Mp, t0, t1, out.data_ptr<float>());
+  });
+}
+#endif
+
+bool uses_amx(const torch::Tensor& x, const Problem& p) {
+#if defined(KVSERVE_AMX)
+  return p.M > kMaxWalkRows && p.M <= kAmxMaxRows && x.scalar_type() == torch::kBFloat16 && amx_ready();
+#else
+  (void)x, (void)p;
+  return false;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------- dispatch
 
 template <int64_t Type>
 void run_type(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
+#if defined(KVSERVE_AMX)
+  if (uses_amx(x, p)) return amx_gemm<Type>(x, p, out);
+#endif
   if (p.M > kMaxWalkRows) return gemm_slices<Type>(x, p, out);
   auto go = [&](const auto* xp) {
     if (out.scalar_type() == torch::kBFloat16) walk<Type>(xp, p, out.data_ptr<at::BFloat16>());
@@ -672,6 +824,15 @@ int64_t row_values(const torch::Tensor& blocks, int64_t type) {
 }  // namespace
 
 bool quant_linear_reads(int64_t type) { return known_type(type); }
+
+// Whether batched decode (9 to 48 rows of bf16 x) runs on AMX tiles here.
+bool quant_linear_uses_amx() {
+#if defined(KVSERVE_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
 
 // out[:, col : col + N] = x @ W.T (+ bias), W's rows [N, row bytes] of ggml blocks of `type`.
 // x [M, K] fp32 or bf16; out [M, >= col + N] contiguous, fp32 or bf16; bias [N] or empty.
