@@ -16,7 +16,7 @@ from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.engine.shared_prefix import find_shared_prefixes
 from kvserve.engine.step_plan import PromptSpan, StepInputs, StepPlan
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, prefill_kernel, kv_writer
+from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, kv_writer, prefill_kernel, torch_prefill_is_faster
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
 from kvserve.model.quant_weight import QuantWeight
@@ -64,7 +64,8 @@ class ModelRunner:
         self.decode_kernel = decode_kernel(kernels, model.dtype, kv_caches[0])
         # Shared prefixes read once per group (cascade attention): the CPU decode kernel's, without a window.
         self.cascade_attention = cascade_attention and self.decode_kernel is not None and self.sliding_window is None
-        self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim, kv_caches[0])
+        self.prefill_kernel = (None if torch_prefill_is_faster(model.dtype, kv_caches[0])
+                               else prefill_kernel(kernels, model.dtype, model.config.head_dim, kv_caches[0]))
         for layer_cache in kv_caches:  # new K/V: one call per layer (quantizing: instead of ~25 torch ops)
             layer_cache.writer = kv_writer(kernels, layer_cache)
 

@@ -19,7 +19,7 @@ import torch
 
 from kvserve.cache.storage.kv_storage import LayerKVCache
 from kvserve.model import kernel_build
-from kvserve.model.cpu_isa import CpuIsa, selected_isa
+from kvserve.model.cpu_isa import CpuIsa, has_amx_bf16, selected_isa
 
 logger = logging.getLogger("kvserve.model")
 
@@ -56,6 +56,15 @@ def prefill_kernel(kernels, dtype: torch.dtype, head_dim: int, cache: LayerKVCac
     if fp32 and cache.key.dtype in READABLE_CACHE_DTYPES[dtype]:
         return _unquantized(kernels.paged_prefill_attention_fp32)
     return None
+
+
+def torch_prefill_is_faster(dtype: torch.dtype, cache: LayerKVCache, flags: frozenset[str] | None = None) -> bool:
+    """Whether the portable path (torch's SDPA) prefills faster than the kernel: on a CPU with AMX, over a bf16
+    cache, oneDNN's tile kernels under SDPA beat the kernel's AVX512-BF16 products even after gathering a cached
+    past (a 2,000-token prefill 1.3-1.7x faster end to end, benchmarks/RESULTS.md section 20). Quantized caches
+    keep the kernel, which reads their codes in place."""
+    return (dtype == torch.bfloat16 and not cache.quantized and cache.key.dtype == torch.bfloat16
+            and has_amx_bf16(flags))
 
 
 def decode_kernel(kernels, dtype: torch.dtype, cache: LayerKVCache):

@@ -10,7 +10,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ModelLoadError
-from kvserve.model.cpu_kernels import cpu_kernels
+from kvserve.model.cpu_kernels import cpu_kernels, prefill_kernel
 from kvserve.model.demo import demo_model_path
 
 try:
@@ -33,6 +33,9 @@ def first_token_logprobs(dtype: str, use_kernels: bool = True) -> list[dict[int,
     runner = llm.engine.runner
     if not use_kernels:
         runner.decode_kernel = runner.prefill_kernel = None
+    else:  # the kernel even where the runner prefers torch's SDPA (CPUs with AMX): this test is about the kernel
+        runner.prefill_kernel = prefill_kernel(cpu_kernels(), runner.model.dtype, runner.model.config.head_dim,
+                                               runner.kv_caches[0])
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1, logprobs=20), use_tqdm=False)
     return [dict(o.outputs[0].logprobs[0].top) for o in outputs]
 
