@@ -133,7 +133,12 @@ def test_engine_tokens_are_the_same_with_and_without_shared_prefix_reads(tiny_mo
         llm.generate([shared + [7]], SamplingParams(max_tokens=1))  # the shared prompt cached first
         runs.append(llm.generate(prompts, params, use_tqdm=False))
     assert sum(grouped_steps) >= 20  # the first run's decode steps read the shared prompt once per group
+    # The two reads sum in different orders (~1e-7 apart). A new key that far off can land on the other side of
+    # an int4 code's rounding boundary (steps of a fifteenth of its channel's range), which moves later logprobs
+    # by ~1e-4: the likely cause of the 1.5e-4 seen on an Intel Xeon (2026-12-05, every kernel family, int8 and
+    # 16-bit under 1e-5). int4 gets a wider bound.
+    tolerance = 1e-3 if kv_cache_dtype == "int4" else 1e-4
     for cascaded, alone in zip(*runs):
         assert cascaded.outputs[0].token_ids == alone.outputs[0].token_ids
         for a, b in zip(cascaded.outputs[0].logprobs, alone.outputs[0].logprobs):
-            assert abs(a.logprob - b.logprob) < 1e-4
+            assert abs(a.logprob - b.logprob) < tolerance
