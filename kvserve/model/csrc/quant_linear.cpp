@@ -752,31 +752,25 @@ void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64
         // Each operand alternates between registers, so a load never waits for the products still reading the
         // previous one (tiles are not renamed).
         const uint32_t* x_pairs = pairs + (k + j) / 2 * Mp;
+        // The products of one weight tile (register W, a constant: tile registers are named in the instruction).
+#define KVSERVE_AMX_PRODUCTS(W)                                     \
+  _tile_loadd(W, &weights[b & 1][0][j], kLayout.values * 2);        \
+  _tile_loadd(1, x_pairs, pair_stride);                             \
+  _tile_dpbf16ps(2, W, 1);                                          \
+  if (x_tiles > 1) {                                                \
+    _tile_loadd(5, x_pairs + 16, pair_stride);                      \
+    _tile_dpbf16ps(3, W, 5);                                        \
+  }                                                                 \
+  if (x_tiles > 2) {                                                \
+    _tile_loadd(6, x_pairs + 32, pair_stride);                      \
+    _tile_dpbf16ps(4, W, 6);                                        \
+  }
         if (step++ % 2 == 0) {
-          _tile_loadd(0, &weights[b & 1][0][j], kLayout.values * 2);
-          _tile_loadd(1, x_pairs, pair_stride);
-          _tile_dpbf16ps(2, 0, 1);
-          if (x_tiles > 1) {
-            _tile_loadd(5, x_pairs + 16, pair_stride);
-            _tile_dpbf16ps(3, 0, 5);
-          }
-          if (x_tiles > 2) {
-            _tile_loadd(6, x_pairs + 32, pair_stride);
-            _tile_dpbf16ps(4, 0, 6);
-          }
+          KVSERVE_AMX_PRODUCTS(0)
         } else {
-          _tile_loadd(7, &weights[b & 1][0][j], kLayout.values * 2);
-          _tile_loadd(1, x_pairs, pair_stride);
-          _tile_dpbf16ps(2, 7, 1);
-          if (x_tiles > 1) {
-            _tile_loadd(5, x_pairs + 16, pair_stride);
-            _tile_dpbf16ps(3, 7, 5);
-          }
-          if (x_tiles > 2) {
-            _tile_loadd(6, x_pairs + 32, pair_stride);
-            _tile_dpbf16ps(4, 7, 6);
-          }
+          KVSERVE_AMX_PRODUCTS(7)
         }
+#undef KVSERVE_AMX_PRODUCTS
       }
     }
     for (int64_t xt = 0; xt < x_tiles; ++xt) {
