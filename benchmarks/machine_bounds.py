@@ -10,7 +10,7 @@ from functools import cache
 import torch
 
 
-def _best_seconds(run, repeats: int = 5) -> float:
+def best_seconds(run, repeats: int = 5) -> float:
     run()  # warm-up: page faults, oneDNN's code generation
     best = float("inf")
     for _ in range(repeats):
@@ -24,7 +24,7 @@ def _best_seconds(run, repeats: int = 5) -> float:
 def memory_bandwidth(num_bytes: int = 1 << 30) -> float:
     """Bytes/s of a sum over a buffer far larger than the caches (a read stream, as decode's weights and KV are)."""
     buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return num_bytes / _best_seconds(lambda: buffer.sum())
+    return num_bytes / best_seconds(lambda: buffer.sum())
 
 
 @cache
@@ -33,7 +33,7 @@ def matmul_peak(dtype: torch.dtype = torch.bfloat16, size: int = 2048) -> float:
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(dtype)
     b = torch.randn(size, size, generator=generator).to(dtype)
-    return 2 * size**3 / _best_seconds(lambda: torch.mm(a, b))
+    return 2 * size**3 / best_seconds(lambda: torch.mm(a, b))
 
 
 def describe() -> str:

@@ -25,7 +25,8 @@ from workloads import shared_prefix_workload  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.cpu_isa import selected_isa  # noqa: E402
-from kvserve.model.layers import PackedWeight, tensor_bytes  # noqa: E402
+from kvserve.model.layers import tensor_bytes  # noqa: E402
+from kvserve.model.quant_weight import QuantWeight  # noqa: E402
 
 OUTPUT_TOKENS = 64
 
@@ -45,23 +46,14 @@ def measure(llm: LLM, prompts: list[list[int]]) -> tuple[float, float]:
 
 
 def matmul_weights(model) -> tuple[int, int]:
-    """(parameters, bytes read) of the matmul weights a decode step of 32 rows multiplies by."""
-    params = read = 0
-    for module, name in model._matmul_weights():
-        weight = getattr(module, name)
-        tensor = weight.packed if isinstance(weight, PackedWeight) else weight
-        params += tensor.numel() if not isinstance(weight, PackedWeight) else _logical_numel(model, module, name)
-        read += tensor_bytes(tensor)
+    """(parameters, bytes read) of the matmul weights a decode step of 32 rows multiplies by (a tied head: the
+    embedding)."""
+    weights = [getattr(m, n) for m, n in model._matmul_weights()]
+    if model.lm_head is None:
+        weights.append(model.embed_tokens)
+    params = sum(w.numel() for w in weights)
+    read = sum(w.nbytes() if isinstance(w, QuantWeight) else tensor_bytes(w) for w in weights)
     return params, read
-
-
-def _logical_numel(model, module, name) -> int:
-    config = model.config
-    hidden, heads, kv_heads, dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    shapes = {"qkv_proj": (heads + 2 * kv_heads) * dim * hidden, "o_proj": heads * dim * hidden,
-              "gate_up_proj": 2 * config.intermediate_size * hidden, "down_proj": config.intermediate_size * hidden,
-              "lm_head": config.vocab_size * hidden}
-    return shapes[name]
 
 
 def decode_bound(llm: LLM, prompts: list[list[int]], shared_tokens: int, cascade: bool) -> float:

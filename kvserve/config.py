@@ -161,7 +161,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     disable_cascade_attn: bool = False  # vLLM's flag: decodes sharing prefix blocks read them each on their own
-    gguf_weights: str = "blocks"  # blocks: held as the file's blocks; dequantized: bf16/fp32, packed for oneDNN
+    gguf_weights: str = "blocks"  # blocks: held as the file's blocks; dequantized: to bf16/fp32 at load
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -20,8 +20,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "per step for the group (CPU kernels)")
     group.add_argument("--gguf-weights", default="blocks", choices=GGUF_WEIGHTS,
                        help="how a GGUF file's quantized matrices are held on CPU: blocks (default: the file's own "
-                            "bytes, read in place) or dequantized (to the compute dtype and packed for oneDNN: about "
-                            "3.5x the memory, faster at batches of 9 or more rows)")
+                            "bytes, read in place) or dequantized (to the compute dtype at load: about 3.5x the "
+                            "memory, no decoding at batches of 9 or more rows)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length limit (default: the model's, capped to what the KV pool holds)")
     group.add_argument("--max-num-seqs", type=int, default=256)

@@ -19,7 +19,6 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, kv_writer, prefill_kernel, torch_prefill_is_faster
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
-from kvserve.model.quant_weight import QuantWeight
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -37,19 +36,6 @@ class StepLogits:
     prompt_logits: torch.Tensor  # [sum of the spans' positions, vocab], in span order
 
 
-def describe_cpu_weights(model: LlamaForCausalLM, plain_bytes: int) -> str:
-    weight = model.layers[0].self_attn.qkv_proj
-    kept = getattr(weight, "plain", None)
-    if isinstance(weight, QuantWeight):
-        how = "the GGUF file's blocks read in place for every batch size (quant_linear)"
-    elif kept is not None:
-        how = "plain copies kept for batches of 1-2 rows (small_batch_linear)"
-    else:
-        how = "no plain copies for small batches (over layers.SMALL_BATCH_COPY_LIMIT_BYTES, or no CPU kernels)"
-    return (f"CPU matmul weights packed for oneDNN, {how}: {model.weight_bytes() / 2**20:.1f} MiB of weights held "
-            f"({plain_bytes / 2**20:.1f} MiB as loaded)")
-
-
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache], block_size: int,
                  device: torch.device, max_gather_tokens: int | None = None, cascade_attention: bool = True) -> None:
@@ -59,11 +45,6 @@ class ModelRunner:
         self.device = device
         self.max_gather_tokens = max_gather_tokens  # the portable decode path's bound (see DecodeGroup)
         self.sliding_window = model.config.sliding_window
-        # bf16 on CPU: weights packed once for oneDNN, so no matmul reorders them again (same results, faster).
-        if device.type == "cpu":
-            plain_bytes = model.weight_bytes()
-            if model.pack_weights_for_cpu():
-                logger.info("%s", describe_cpu_weights(model, plain_bytes))
         kernels = cpu_kernels() if device.type == "cpu" else None
         # The CPU kernels for this model and cache format; None: the portable torch path.
         self.decode_kernel = decode_kernel(kernels, model.dtype, kv_caches[0])

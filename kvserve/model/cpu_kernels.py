@@ -20,6 +20,7 @@ import torch
 from kvserve.cache.storage.kv_storage import LayerKVCache
 from kvserve.model import kernel_build
 from kvserve.model.cpu_isa import CpuIsa, has_amx_bf16, selected_isa
+from kvserve.model.layers import onednn_packs
 
 logger = logging.getLogger("kvserve.model")
 
@@ -66,6 +67,14 @@ def torch_prefill_is_faster(dtype: torch.dtype, cache: LayerKVCache, flags: froz
     codes in place."""
     return (dtype == torch.bfloat16 and not cache.quantized and cache.key.dtype == torch.bfloat16
             and has_amx_bf16(flags))
+
+
+def packed_weights_are_faster(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
+    """Whether bf16 matmul weights are held in oneDNN's blocked layout alone instead of as plain rows: on a CPU with
+    AMX oneDNN's matmuls over it were the fastest at every batch size, one row (its GEMV) to a prefill (plain
+    rows through AMX tiles 0.86-0.92x at 3-48 rows, through torch's matmul 0.71-0.80x past them; benchmarks/
+    dense_weights.py). Elsewhere plain rows: small_batch_linear's walk beat oneDNN's GEMV 1.4x on Zen 4."""
+    return dtype == torch.bfloat16 and has_amx_bf16(flags) and onednn_packs(dtype)
 
 
 def decode_kernel(kernels, dtype: torch.dtype, cache: LayerKVCache):

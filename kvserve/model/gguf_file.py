@@ -517,6 +517,14 @@ def iter_gguf_quant_parts(path: str) -> Iterator[tuple[str, QuantPart]]:
         yield hf_name, QuantPart(info.ggml_type, rows if heads is None else unpermute_qk_rows(rows, heads))
 
 
+def gguf_matrix_dtype(path: str) -> torch.dtype | None:
+    """The dtype every matrix of the file is stored in when that is one float type (an f16 or bf16 file);
+    None when any matrix is block-quantized or the types differ."""
+    types = {T(info.ggml_type) for info in read_gguf(path).tensors
+             if len(info.gguf_shape) == 2 and info.name not in NON_PARAMETER_TENSORS}
+    return FLOAT_TYPES.get(types.pop()) if len(types) == 1 else None
+
+
 def gguf_parameter_bytes(path: str) -> int:
     """Bytes of the file's parameter tensors, as stored (what "the file's size" means for its weights)."""
     contents = read_gguf(path)

@@ -3,30 +3,16 @@
 Each block has a portable torch form and, on CPU when the C++ kernels are built, a fused form that does the
 same arithmetic (same rounding points) in one pass and one Python dispatch instead of five to ten.
 
-Matmul weights may be packed for CPU (`pack_weight`): oneDNN then reads them in its own blocked layout instead
-of reordering them on every call. bf16 results are bit-identical to F.linear, and bf16 matmuls get 1.2-2x
-faster at decode batch sizes (1-32 rows), where that per-call reorder is a large share of the work. fp32 (the
-compute dtype of CPUs without native bf16) is packed too: at 32 rows packed fp32 ran 1.2-3x F.linear's speed
-on an AMD EPYC (the tied head, 49152 x 576: 13.9 against 44.6 ms), and only oneDNN's code can be capped to AVX2
-to measure an AVX2 CPU on a bigger one; fp32 results differ from F.linear's by rounding (another summation
-order).
-
-Batches of one or two rows (a single stream's decode) are a walk over the weights, which oneDNN's packed GEMV
-makes slower than it need be; where there is room, a packed weight keeps its plain row-major form beside it
-and `small_batch_linear` (csrc/small_batch_linear.cpp) walks that one instead: 1.4x faster matmuls for a single
-stream. The plain copy costs the weights' bytes again, so it is kept only while the matmul weights are at most
-SMALL_BATCH_COPY_LIMIT_BYTES (models up to ~1B parameters in bf16); a tied head's plain form is the embedding,
-kept anyway, so it costs nothing.
-
-A weight loaded from GGUF blocks of a type csrc/quant_linear.cpp reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K, Q6_K) is neither packed nor copied: it stays the file's blocks (quant_weight.QuantWeight), read in place
-for every batch size.
+On CPU with the kernels every matmul weight is held once: a GGUF file's blocks or a 16-bit or fp32 checkpoint's
+plain rows as a QuantWeight (quant_weight.py), read in place for every batch size by csrc/quant_linear.cpp; or,
+where oneDNN's matmul over its own blocked layout is the fastest at every batch size (bf16 on CPUs with AMX,
+cpu_kernels.packed_weights_are_faster), that layout alone (PackedWeight). The portable path, the GPU and
+tensor-parallel embeddings keep plain tensors and F.linear.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -41,45 +27,54 @@ def empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-SMALL_BATCH_COPY_LIMIT_BYTES = 2 * 2**30
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class PackedWeight:
-    """A CPU matmul weight packed for oneDNN, with its plain form for batches of up to `max_rows` rows when
-    kept."""
-
-    packed: torch.Tensor  # oneDNN's blocked layout (an mkldnn tensor)
-    plain: torch.Tensor | None = None  # [out, in] row-major, read by small batches
-    small_batch_linear: Callable | None = None  # (x, plain, bias or empty) -> x @ plain.T + bias
-    max_rows: int = 0
-
-    def extra_bytes(self) -> int:
-        """Bytes held besides the model's parameters (a plain copy that is itself a parameter is not counted)."""
-        plain = 0 if self.plain is None or isinstance(self.plain, torch.nn.Parameter) else tensor_bytes(self.plain)
-        return tensor_bytes(self.packed) + plain
-
-
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-_NO_BIAS = torch.empty(0)
+@dataclass(frozen=True, slots=True, eq=False)
+class PackedWeight:
+    """A CPU matmul weight held only in oneDNN's blocked layout (an mkldnn tensor): every batch size, one row to a
+    prefill, multiplies it without reordering it. bf16 results are F.linear's exactly."""
+
+    packed: torch.Tensor
+    shape: tuple[int, int]  # [out, in], as the plain weight's
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> PackedWeight:
+        return cls(torch.ops.mkldnn._reorder_linear_weight(weight), tuple(weight.shape))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.packed)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | QuantWeight, bias: torch.Tensor | None = None
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight | PackedWeight, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """x @ weight.T + bias, for plain, packed or GGUF-block weights."""
-    if isinstance(weight, QuantWeight):
+    """x @ weight.T + bias, for plain weights or weights held as QuantWeight or PackedWeight."""
+    if isinstance(weight, (QuantWeight, PackedWeight)):
         return weight.linear(x, bias)
-    if isinstance(weight, PackedWeight):
-        if weight.plain is not None and 0 < x.shape[0] <= weight.max_rows:
-            return weight.small_batch_linear(x, weight.plain, _NO_BIAS if bias is None else bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
+@cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch build packs `dtype` weights for oneDNN and gets F.linear's results with them (bf16:
+    exactly)."""
+    if dtype != torch.bfloat16:
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(24, 40, generator=generator).to(dtype)
+        x = torch.randn(3, 40, generator=generator).to(dtype)
+        return torch.equal(PackedWeight.of(weight).linear(x), F.linear(x, weight))
+    except (RuntimeError, AttributeError):
+        return False
+
 
 # oneDNN keeps the code it generates for each matmul shape in two caches, ideep's and its own, 1,024 entries each
 # by default. Every prefill of a new length is a new shape and an entry holds a few hundred KiB, so a server's
@@ -91,45 +86,9 @@ ONEDNN_CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY
 
 def bound_onednn_caches() -> None:
     """Caps oneDNN's per-shape caches; they read these variables once, at their first use, so this runs before
-    any oneDNN call. A value the operator set wins."""
+    any oneDNN call (load_model calls it first). A value the operator set wins."""
     for name in ONEDNN_CACHE_VARIABLES:
         os.environ.setdefault(name, str(ONEDNN_CACHE_CAPACITY))
-
-
-@cache
-def weight_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this torch build packs `dtype` weights for oneDNN and gets F.linear's results with them (exactly
-    for bf16, within fp32 rounding for fp32). The first oneDNN call kvserve makes, so it caps oneDNN's caches."""
-    bound_onednn_caches()
-    if dtype not in PACKABLE_DTYPES:
-        return False
-    try:
-        generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(24, 40, generator=generator).to(dtype)
-        x = torch.randn(3, 40, generator=generator).to(dtype)
-        packed = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight))
-        if dtype == torch.bfloat16:
-            return torch.equal(linear(x, packed), F.linear(x, weight))
-        return torch.allclose(linear(x, packed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
-    except (RuntimeError, AttributeError):
-        return False
-
-
-def pack_weight(module: torch.nn.Module, name: str, kernels=None, plain: torch.Tensor | None = None) -> None:
-    """Replaces the CPU matmul weight `module.<name>` by its packed form (once). With `kernels` (the C++ module),
-    small batches read `plain` (default: the weight itself, then kept instead of freed) through
-    small_batch_linear; without, the plain weight is freed."""
-    weight = getattr(module, name)
-    if isinstance(weight, PackedWeight):
-        return
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    delattr(module, name)
-    if kernels is None:
-        setattr(module, name, PackedWeight(packed))
-    else:
-        plain = weight.detach() if plain is None else plain
-        setattr(module, name, PackedWeight(packed, plain, kernels.small_batch_linear,
-                                           kernels.small_batch_linear_max_rows()))
 
 
 class RMSNorm(torch.nn.Module):

@@ -11,17 +11,15 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention import Attention, AttentionMetadata
-from kvserve.model.layers import (
-    SMALL_BATCH_COPY_LIMIT_BYTES, GatedMLP, PackedWeight, RMSNorm, empty_parameter, linear,
-    pack_weight, tensor_bytes, weight_packing_available,
-)
-from kvserve.model.quant_weight import QuantWeight
+from kvserve.model.layers import GatedMLP, PackedWeight, RMSNorm, empty_parameter, linear, tensor_bytes
+from kvserve.model.quant_weight import QuantWeight, dense_weight
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, all_reduce, embed, gather_logits
 
 
 class SelfAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL,
+                 weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.shard = shard
         self.num_heads, self.num_kv_heads = shard.heads(config)  # this rank's share (all of them at TP 1)
@@ -29,9 +27,9 @@ class SelfAttention(torch.nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v fused into one matmul; the loader writes each checkpoint tensor into its rows.
-        self.qkv_proj = empty_parameter(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
+        self.qkv_proj = empty_parameter(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=weight_dtype or dtype)
         self.qkv_bias = empty_parameter(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
-        self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=dtype)
+        self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=weight_dtype or dtype)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
 
     def forward(self, x: torch.Tensor, step: "ForwardStep", kv_cache: object | None) -> torch.Tensor:
@@ -52,13 +50,14 @@ class SelfAttention(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL,
+                 weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.shard = shard
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = SelfAttention(config, dtype, shard)
+        self.self_attn = SelfAttention(config, dtype, shard, weight_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // shard.size, dtype)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // shard.size, weight_dtype or dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: "ForwardStep", kv_cache: object | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,29 +74,28 @@ class DecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL,
+                 weight_dtype: torch.dtype | None = None) -> None:
+        """`dtype` computes; `weight_dtype` (default: `dtype`) holds the matmul weights and the token embedding:
+        a 16-bit checkpoint computed in fp32 keeps them 16-bit, which only the CPU kernels read."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.shard = shard  # which tensor-parallel rank's slice of the weights this model holds
+        weight_dtype = weight_dtype or dtype
         vocab_rows = shard.vocab_rows_per_rank(config.vocab_size)
-        self.embed_tokens = _vocab_parameter(vocab_rows, config, dtype)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, dtype, shard) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = _vocab_parameter(vocab_rows, config, weight_dtype)
+        self.layers = torch.nn.ModuleList(DecoderLayer(config, dtype, shard, weight_dtype)
+                                          for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied checkpoints share the embedding matrix; the loader then never fills lm_head (None: the head reads
-        # embed_tokens), until pack_weights_for_cpu gives the head its own packed copy.
-        self.lm_head = None if config.tie_word_embeddings else _vocab_parameter(vocab_rows, config, dtype)
+        # embed_tokens).
+        self.lm_head = None if config.tie_word_embeddings else _vocab_parameter(vocab_rows, config, weight_dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-        # The C++ module for fused CPU ops, or None (portable torch). Set after loading: see use_fused_kernels.
+        # The C++ module for fused CPU ops, or None (portable torch); set by the loader.
         self.fused_kernels = None
-        self.packed_for_cpu = False  # set by pack_weights_for_cpu
         # fp8 KV scales a checkpoint carries (`model.layers.N.self_attn.k_scale` / `v_scale`): layer -> (k, v).
         self.checkpoint_kv_scales: dict[int, tuple[float | None, float | None]] = {}
-
-    def use_fused_kernels(self, enabled: bool = True) -> None:
-        from kvserve.model.cpu_kernels import cpu_kernels
-
-        self.fused_kernels = cpu_kernels() if enabled else None
 
     def hold_quant_weights(self, weights: dict[str, QuantWeight]) -> None:
         """Replaces parameters ("layers.0.mlp.gate_up_proj", "embed_tokens") by their checkpoint blocks, read in
@@ -108,55 +106,42 @@ class LlamaForCausalLM(torch.nn.Module):
             delattr(module, attribute)
             setattr(module, attribute, weight)
 
-    def pack_weights_for_cpu(self) -> bool:
-        """Packs every matmul weight held as a plain tensor for oneDNN (bf16 and fp32 on CPU; see layers.py).
-        Returns whether it did. Weights held as GGUF blocks (QuantWeight) stay as they are.
-
-        A tied head gets a packed copy of a plain embedding (vocab x hidden more bytes, counted by weight_bytes):
-        the embedding lookup needs the plain matrix, which small batches then read for the head as well. The
-        other plain weights are kept for small batches while those fit SMALL_BATCH_COPY_LIMIT_BYTES.
-        """
-        if self.norm.weight.device.type != "cpu" or not weight_packing_available(self.dtype):
-            return False
-        if self.packed_for_cpu:
-            return True
-        tied = self.lm_head is None
-        if tied and isinstance(self.embed_tokens, torch.Tensor):
-            self.lm_head = self.embed_tokens.detach()
+    def hold_dense_weights(self, packed: bool = False) -> None:
+        """Every matmul weight still a plain tensor (a 16-bit or fp32 checkpoint's) is held once for the CPU
+        kernels: as a QuantWeight over the same storage, read in place for every batch size
+        (quant_weight.dense_weight), or with `packed` in oneDNN's layout alone (PackedWeight, the plain tensor
+        freed). A plain token embedding on a whole model becomes a QuantWeight (its lookups read rows)."""
         kernels = self.fused_kernels
-        plain = [(m, n) for m, n in self._matmul_weights() if isinstance(getattr(m, n), torch.Tensor)]
-        matmul_bytes = sum(tensor_bytes(getattr(m, n)) for m, n in plain if not (tied and n == "lm_head"))
-        keep_plain = kernels is not None and matmul_bytes <= SMALL_BATCH_COPY_LIMIT_BYTES
-        for module, name in plain:
-            if tied and name == "lm_head":
-                pack_weight(module, name, kernels, plain=self.embed_tokens)
-            else:
-                pack_weight(module, name, kernels if keep_plain else None)
-        self.packed_for_cpu = True
-        return True
+        for module, name in self._matmul_weights():
+            weight = getattr(module, name)
+            if isinstance(weight, torch.Tensor):
+                delattr(module, name)
+                setattr(module, name, PackedWeight.of(weight.detach()) if packed else dense_weight(weight.detach(), kernels))
+        if isinstance(self.embed_tokens, torch.Tensor) and self.shard.size == 1:
+            embedding = self.embed_tokens.detach()
+            del self.embed_tokens
+            self.embed_tokens = dense_weight(embedding, kernels)
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight held: parameters, packed weights and their plain copies (no longer parameters),
-        and weights held as GGUF blocks."""
-        packed = [w for w in (getattr(m, n) for m, n in self._matmul_weights()) if isinstance(w, PackedWeight)]
-        return (sum(tensor_bytes(t) for t in self.parameters()) + sum(w.extra_bytes() for w in packed)
-                + sum(w.nbytes() for w in self._block_weights()))
+        """Bytes of every weight held: parameters and weights held otherwise (QuantWeight, PackedWeight)."""
+        return sum(tensor_bytes(t) for t in self.parameters()) + sum(w.nbytes() for w in self._held_weights())
 
     def parameter_count(self) -> int:
-        """The model's parameters, those held as GGUF blocks included."""
-        return sum(p.numel() for p in self.parameters()) + sum(w.numel() for w in self._block_weights())
+        """The model's parameters, those held otherwise included."""
+        return sum(p.numel() for p in self.parameters()) + sum(w.numel() for w in self._held_weights())
 
-    def _block_weights(self) -> list[QuantWeight]:
-        """The weights held as GGUF blocks, each once (a tied head is the embedding)."""
+    def _held_weights(self) -> list[QuantWeight | PackedWeight]:
+        """The weights held otherwise than as parameters, each once (a tied head is the embedding)."""
         held = [getattr(m, n) for m, n in self._matmul_weights()] + [self.embed_tokens]
-        return list({id(w): w for w in held if isinstance(w, QuantWeight)}.values())
+        return list({id(w): w for w in held if isinstance(w, (QuantWeight, PackedWeight))}.values())
 
     def _matmul_weights(self):
         """(module, attribute) of each matmul weight; the head's is None while it reads the tied embedding."""
         for layer in self.layers:
             yield from ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
                         (layer.mlp, "down_proj"))
-        yield self, "lm_head"
+        if self.lm_head is not None:
+            yield self, "lm_head"
 
     def forward(
         self,

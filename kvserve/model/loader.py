@@ -17,10 +17,12 @@ from tqdm import tqdm
 
 from kvserve.config import ModelConfig, ModelLoadError
 from kvserve.model.cpu_isa import native_bf16, selected_isa
+from kvserve.model.cpu_kernels import cpu_kernels, packed_weights_are_faster
 from kvserve.model.demo import DEMO_MODEL_NAME, demo_model_path
 from kvserve.model.hf_checkpoint import (
     count_safetensors_tensors, iter_safetensors, read_generation_config, read_hf_config, safetensors_files,
 )
+from kvserve.model.layers import bound_onednn_caches
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.quant_weight import QuantPart
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, check_shardable
@@ -137,6 +139,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     `gguf_blocks`: a GGUF file's quantized matrices stay its blocks where the CPU kernels read them (False:
     dequantized at load, as --gguf-weights dequantized)."""
     started = time.perf_counter()
+    bound_onednn_caches()
     path = resolve_model_path(model)
     device = torch.device(device)
     source = _source(path)
@@ -145,15 +148,23 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
         check_shardable(source.config, config, shard.size, str(source.config_file))
     torch_dtype, kv_dtype = resolve_dtypes(dtype, config, device)
     tokenizer = source.tokenizer()
+    kernels = cpu_kernels() if device.type == "cpu" else None
+    weight_dtype = held_weight_dtype(source.matrix_dtype(), torch_dtype, kernels)
     with torch.device(device):
-        net = LlamaForCausalLM(config, torch_dtype, shard)
-    net.use_fused_kernels(device.type == "cpu")
+        net = LlamaForCausalLM(config, torch_dtype, shard, weight_dtype)
+    net.fused_kernels = kernels
     held = quant_weights(net, source.quant_parts(), net.fused_kernels) if gguf_blocks and _holds_blocks(net, shard) else {}
     held_names = frozenset(name for _, names in held.values() for name in names)
     with tqdm(total=source.num_tensors(), desc=f"Loading {path.name}", unit="tensor", leave=False) as bar:
         load_weights(net, source.tensors(torch_dtype, held_names), checkpoint=str(path), on_tensor=bar.update,
                      held=held_names)
     net.hold_quant_weights({name: weight for name, (weight, _) in held.items()})
+    if kernels is not None:
+        packed = weight_dtype == torch_dtype and packed_weights_are_faster(torch_dtype)
+        net.hold_dense_weights(packed)
+        if shard.rank == 0 and len(held) < 4 * config.num_hidden_layers:  # some matmul weights not GGUF blocks
+            logger.info("CPU matmul weights not held as GGUF blocks: %s", "oneDNN's packed layout alone" if packed
+                        else f"{_name(weight_dtype)} rows read in place (quant_linear)")
     net.eval()
     if device.type == "cpu" and shard.rank == 0:
         logger.info("%s", cpu_dispatch_line(torch_dtype, net.fused_kernels is not None, kv_dtype))
@@ -167,6 +178,15 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     return LoadedModel(
         net, config, tokenizer, source.generation_config(), path, name, torch_dtype, source.config, kv_dtype
     )
+
+
+def held_weight_dtype(stored: torch.dtype | None, compute: torch.dtype, kernels) -> torch.dtype:
+    """The matmul weights' dtype: the compute dtype, except that matrices stored 16-bit and computed in fp32 by
+    the CPU kernels (a CPU without bf16 dot products) stay 16-bit: the kernels widen them as they read, so they
+    cost the file's bytes, not twice. `stored`: the checkpoint's matrices' dtype (None: quantized or mixed)."""
+    if kernels is not None and compute == torch.float32 and stored in (torch.bfloat16, torch.float16):
+        return stored
+    return compute
 
 
 def _holds_blocks(net: LlamaForCausalLM, shard: TensorShard) -> bool:
@@ -222,6 +242,10 @@ class _HFSource:
     def quant_parts(self) -> Iterator[tuple[str, QuantPart]]:
         return iter(())  # safetensors hold plain (or differently quantized) tensors
 
+    def matrix_dtype(self) -> torch.dtype | None:
+        """The dtype config.json declares the checkpoint's tensors in."""
+        return DTYPES.get(str(self.config.get("torch_dtype") or self.config.get("dtype") or "").removeprefix("torch."))
+
     def parameter_bytes(self) -> int:
         return sum(file.stat().st_size for file in self.files)
 
@@ -260,6 +284,11 @@ class _GGUFSource:
         from kvserve.model.gguf_file import iter_gguf_quant_parts
 
         return iter_gguf_quant_parts(str(self.path))
+
+    def matrix_dtype(self) -> torch.dtype | None:
+        from kvserve.model.gguf_file import gguf_matrix_dtype
+
+        return gguf_matrix_dtype(str(self.path))
 
     def parameter_bytes(self) -> int:
         from kvserve.model.gguf_file import gguf_parameter_bytes

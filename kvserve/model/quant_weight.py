@@ -1,5 +1,6 @@
-"""Matmul weights held as their GGUF file holds them: rows of ggml blocks, read in place by
-csrc/quant_linear.cpp for every batch size, so a quantized model's weights cost its file's bytes.
+"""Matmul weights held as their checkpoint holds them, read in place by csrc/quant_linear.cpp for every batch
+size, so the weights cost the file's bytes: a GGUF file's rows of ggml blocks, or a 16-bit or fp32 checkpoint's
+plain rows (dense parts: ggml's F32, F16 and BF16, one value a "block"; dense_weight).
 
 A weight is one or more parts, each rows of one block type: a fused weight (q/k/v, gate/up) is the rows of its
 checkpoint tensors one after the other, which works because ggml blocks never straddle rows; Q4_K_M files mix
@@ -7,8 +8,8 @@ types within one fused weight (Q6_K v rows under Q4_K q and k rows), so each typ
 kernel call, writing its columns of the output. The token embedding held this way decodes only the rows it
 looks up.
 
-Only with the CPU kernels: the portable path (KVSERVE_CPU_KERNELS=0) and tensor-parallel shards keep the
-loader's dequantized weights.
+Only with the CPU kernels: the portable path (KVSERVE_CPU_KERNELS=0) keeps plain tensors, and tensor-parallel
+shards dequantize a GGUF file's blocks at load (their slices are then dense parts).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import torch
 # ggml type ids (gguf.GGMLQuantizationType) that quant_linear.cpp reads: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 # Q5_K, Q6_K.
 QUANT_LINEAR_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+# ggml type ids of plain rows: F32, F16, BF16.
+DENSE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+_DENSE_DTYPES = {type_id: dtype for dtype, type_id in DENSE_TYPES.items()}
 
 _NO_BIAS = torch.empty(0)
 
@@ -43,6 +47,8 @@ class QuantPart:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [rows, in_features] these blocks encode, as gguf.quants decodes them (a reference)."""
+        if self.ggml_type in _DENSE_DTYPES:
+            return self.blocks.view(_DENSE_DTYPES[self.ggml_type]).float()
         values = gguf.quants.dequantize(self.blocks.numpy(), gguf.GGMLQuantizationType(self.ggml_type))
         return torch.from_numpy(values.copy())
 
@@ -97,3 +103,11 @@ def merge_parts(parts: list[QuantPart]) -> tuple[QuantPart, ...]:
             merged.append([part])
     return tuple(QuantPart(run[0].ggml_type, torch.cat([p.blocks for p in run]) if len(run) > 1
                            else run[0].blocks.clone(memory_format=torch.contiguous_format)) for run in merged)
+
+
+def dense_weight(weight: torch.Tensor, kernels) -> QuantWeight:
+    """A plain [out, in] weight (fp32, fp16 or bf16) as one dense part over its own storage: no copy."""
+    if weight.dtype not in DENSE_TYPES:
+        raise ValueError(f"a dense weight is fp32, fp16 or bf16, not {weight.dtype}")
+    rows = weight.contiguous()
+    return QuantWeight((QuantPart(DENSE_TYPES[weight.dtype], rows.view(torch.uint8)),), weight.shape[1], kernels)

@@ -67,26 +67,3 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
     bf16 = kvserve_logits(load_model(str(folder), dtype="bfloat16"), ids)
     relative = (fp32 - bf16).abs().max().item() / fp32.abs().max().item()
     assert relative < 0.15, relative  # bf16 keeps 8 mantissa bits; this model is deliberately sharp
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied head; tied head with q/k/v biases
-def test_packed_cpu_weights_give_identical_logits(kind, tiny_model_dir):
-    """bf16 matmul weights packed for oneDNN compute exactly what the plain weights compute."""
-    from kvserve.model.layers import weight_packing_available
-
-    if not weight_packing_available():
-        pytest.skip("this torch build cannot pack bf16 weights for oneDNN")
-    folder, _ = tiny_model_dir(kind)
-    loaded = load_model(str(folder), dtype="bfloat16")
-    token_ids = list(range(3, 80))
-    loaded.model.fused_kernels = None  # oneDNN only (small batches read plain weights: test_small_batch_linear)
-    plain = kvserve_logits(loaded, token_ids)
-    bytes_before = loaded.weights_bytes
-    assert loaded.model.pack_weights_for_cpu()
-    # A tied head gets its own packed copy of the embedding, and the weight count says so.
-    head_copy = loaded.model.embed_tokens.numel() * 2 if loaded.config.tie_word_embeddings else 0
-    assert loaded.weights_bytes == bytes_before + head_copy
-    qkv, head = loaded.model.layers[0].self_attn.qkv_proj, loaded.model.lm_head
-    assert qkv.packed.is_mkldnn and head.packed.is_mkldnn and qkv.plain is None
-    assert torch.equal(kvserve_logits(loaded, token_ids), plain)
-    assert loaded.model.embed_tokens.dtype == torch.bfloat16 and not loaded.model.embed_tokens.is_mkldnn

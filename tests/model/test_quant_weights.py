@@ -13,7 +13,7 @@ from test_model_parity import kvserve_logits
 
 from kvserve.model.cpu_isa import has_amx_bf16
 from kvserve.model.loader import load_model
-from kvserve.model.quant_weight import QUANT_LINEAR_TYPES, QuantPart, QuantWeight
+from kvserve.model.quant_weight import DENSE_TYPES, QUANT_LINEAR_TYPES, QuantPart, QuantWeight
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -115,7 +115,7 @@ def test_lookup_decodes_the_rows_asked_for(isa, tensor_type):
 @FAMILIES
 def test_refuses_what_it_does_not_read(isa):
     kernels = kernels_for(isa)
-    assert {t for t in range(40) if kernels.quant_linear_reads(t)} == QUANT_LINEAR_TYPES
+    assert {t for t in range(40) if kernels.quant_linear_reads(t)} == QUANT_LINEAR_TYPES | set(DENSE_TYPES.values())
     part = quant_part(4, 256, Q.Q4_K, 0)
     out = torch.empty(1, 4)
     with pytest.raises(RuntimeError, match="ggml type 10"):  # Q2_K
@@ -168,8 +168,6 @@ def test_models_hold_their_files_blocks(tmp_path, monkeypatch, arch, tied, tenso
     other_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # norms, biases
     assert all(p.dim() == 1 for p in model.parameters())
     assert loaded.weights_bytes == matrix_bytes + other_bytes
-    model.pack_weights_for_cpu()
-    assert loaded.weights_bytes == matrix_bytes + other_bytes  # packing adds nothing
     # Decode-sized and prefill-sized forwards against the fp32 model over dequantized weights: as close as the
     # same model dequantized at load in this dtype is (bf16 rounds every layer's output; these random blocks
     # make large activations).
@@ -208,7 +206,8 @@ def test_gguf_weights_dequantized_holds_the_compute_dtype(tmp_path, monkeypatch)
 
     path = tiny_gguf(tmp_path, "llama", Q.Q4_K, tied=False)
     model = load_model(str(path), dtype="float32", gguf_blocks=False).model
-    assert isinstance(model.layers[0].mlp.down_proj, torch.nn.Parameter)
+    down = model.layers[0].mlp.down_proj  # dequantized: the compute dtype's rows, read as a dense part
+    assert [part.ggml_type for part in down.parts] == [DENSE_TYPES[torch.float32]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     dequantized = LLM(str(path), dtype="float32", gguf_weights="dequantized", kv_cache_memory=0.05)
     ours = dequantized.generate([list(range(3, 40))], params)[0].outputs[0].token_ids

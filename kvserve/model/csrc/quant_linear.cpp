@@ -10,6 +10,11 @@
 //   holding the whole weight dequantized. On CPUs with AMX, 9 to 48 rows of bf16 x (a batched decode step)
 //   multiply 16 weight rows at a time, decoded into a tile in L1, with AMX's tile products instead.
 //
+// A 16-bit or fp32 weight (ggml's F16, BF16, F32: a checkpoint's plain rows) is held once and read here too: 1-2
+// rows by small_batch_linear's walk, 3 to 48 rows of bf16 x on AMX tiles as above (the rows are tiles as they
+// stand), more rows by torch's matmul on the rows in place, or, when x's dtype is not the weight's (fp32 x on a
+// CPU without bf16 dot products, weights kept 16-bit), slices widened as blocks are decoded.
+//
 // Values are decoded as ggml (and gguf.quants) define them. Accumulation is fp32, the result rounded once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -32,7 +37,16 @@
 namespace {
 
 // ggml's ids of the types read here (gguf.GGMLQuantizationType).
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kBF16 = 30,
+};
+
+// Plain rows of values (a block of one value, for the checks below); DenseValue is their C++ type.
+template <int64_t Type>
+constexpr bool kDense = Type == kF32 || Type == kF16 || Type == kBF16;
+template <int64_t Type>
+using DenseValue = std::conditional_t<Type == kF32, float, std::conditional_t<Type == kF16, at::Half, at::BFloat16>>;
 
 struct Layout {
   int64_t values;  // per block
@@ -41,6 +55,7 @@ struct Layout {
 
 bool known_type(int64_t type) {
   switch (type) {
+    case kF32: case kF16: case kBF16:
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
     default: return false;
   }
@@ -48,6 +63,8 @@ bool known_type(int64_t type) {
 
 Layout layout_of(int64_t type) {
   switch (type) {
+    case kF32: return {1, 4};
+    case kF16: case kBF16: return {1, 2};
     case kQ4_0: return {32, 18};
     case kQ4_1: return {32, 20};
     case kQ5_0: return {32, 22};
@@ -195,7 +212,7 @@ inline void decode_vectors(const uint8_t* b, F&& f) {
 }
 
 template <int64_t Type>
-constexpr Layout kLayoutOf = Type == kQ4_0 ? Layout{32, 18} : Type == kQ4_1 ? Layout{32, 20}
+constexpr Layout kLayoutOf = kDense<Type> ? Layout{1, sizeof(DenseValue<Type>)} : Type == kQ4_0 ? Layout{32, 18} : Type == kQ4_1 ? Layout{32, 20}
                            : Type == kQ5_0 ? Layout{32, 22} : Type == kQ5_1 ? Layout{32, 24}
                            : Type == kQ8_0 ? Layout{32, 34} : Type == kQ4_K ? Layout{256, 144}
                            : Type == kQ5_K ? Layout{256, 176} : Layout{256, 210};
@@ -629,15 +646,15 @@ __attribute__((always_inline)) inline void decode_block(const uint8_t* block, ou
   }
 }
 
-// One weight row decoded into the GEMM's dtype.
+// One weight row of blocks decoded into the GEMM's dtype.
 template <int64_t Type, typename out_t>
-void decode_row(const uint8_t* row, int64_t K, out_t* y) {
+void decode_blocks_row(const uint8_t* row, int64_t K, out_t* y) {
   constexpr Layout kLayout = kLayoutOf<Type>;
   for (int64_t k = 0; k < K; k += kLayout.values, row += kLayout.bytes) decode_block<Type>(row, y + k);
 }
 #else
 template <int64_t Type, typename out_t>
-void decode_row(const uint8_t* row, int64_t K, out_t* y) {
+void decode_blocks_row(const uint8_t* row, int64_t K, out_t* y) {
   float values[kChunk];
   for (int64_t k = 0; k < K; k += kChunk) {
     const int64_t count = std::min(kChunk, K - k);
@@ -646,6 +663,28 @@ void decode_row(const uint8_t* row, int64_t K, out_t* y) {
   }
 }
 #endif
+
+// n plain values converted to the GEMM's dtype (bf16 -> fp32 is exact; into bf16, rounded to nearest even).
+template <typename value_t, typename out_t>
+void convert_values(const value_t* v, int64_t n, out_t* y) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<value_t, out_t>) {
+    std::memcpy(y, v, n * sizeof(out_t));
+    return;
+  }
+#if defined(KVSERVE_SIMD)
+  if constexpr (std::is_same_v<out_t, float>)
+    for (; i + Simd::kLanes <= n; i += Simd::kLanes) Simd::store(y + i, Simd::load(v + i));
+#endif
+  for (; i < n; ++i) y[i] = static_cast<out_t>(static_cast<float>(v[i]));
+}
+
+// One weight row decoded into the GEMM's dtype, whatever its encoding.
+template <int64_t Type, typename out_t>
+void decode_row(const uint8_t* row, int64_t K, out_t* y) {
+  if constexpr (kDense<Type>) convert_values(reinterpret_cast<const DenseValue<Type>*>(row), K, y);
+  else decode_blocks_row<Type>(row, K, y);
+}
 
 constexpr int64_t kSliceBytes = 8 << 20;
 constexpr int64_t kSliceMinRows = 256;  // fewer output columns would leave the matmul below its speed
@@ -717,11 +756,22 @@ std::vector<uint32_t> x_as_pairs(const at::BFloat16* x, int64_t M, int64_t K, in
   return pairs;
 }
 
+// What the tile loop decodes at a time: a block, or 32 plain values (one tile row) of a dense weight.
+template <int64_t Type>
+constexpr Layout kTileStep = kDense<Type> ? Layout{kAmxTileValues, kAmxTileValues * kLayoutOf<Type>.bytes}
+                                          : kLayoutOf<Type>;
+
+template <int64_t Type>
+__attribute__((always_inline)) inline void decode_step(const uint8_t* block, at::BFloat16* y) {
+  if constexpr (kDense<Type>) convert_values(reinterpret_cast<const DenseValue<Type>*>(block), kAmxTileValues, y);
+  else decode_block<Type>(block, y);
+}
+
 // Tile registers: 0 and 7 the weights (alternating), 1, 5 and 6 x's row tiles 0-2, 2-4 their results.
 template <int64_t Type, typename out_t>
 __attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline))
 void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64_t t0, int64_t t1, out_t* out) {
-  constexpr Layout kLayout = kLayoutOf<Type>;
+  constexpr Layout kLayout = kTileStep<Type>;
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = kAmxTileRows, config.colsb[t] = 64;
   _tile_loadconfig(&config);
@@ -737,7 +787,7 @@ void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64
       for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayout.bytes;
         simd::prefetch_ahead(block, kLayout.bytes);
-        decode_block<Type>(block, weights[b & 1][r]);
+        decode_step<Type>(block, weights[b & 1][r]);
       }
     };
     _tile_zero(2);
@@ -798,9 +848,21 @@ void amx_gemm(const torch::Tensor& x, const Problem& p, const torch::Tensor& out
 }
 #endif
 
+}  // namespace
+
+torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor bias);
+bool small_batch_linear_reads(torch::ScalarType x, torch::ScalarType weight);
+int64_t small_batch_linear_max_rows();
+
+namespace {
+
+// Past the walk (blocks) or small_batch_linear (dense rows), bf16 x of up to kAmxMaxRows rows goes to AMX tiles.
+template <int64_t Type>
 bool uses_amx(const torch::Tensor& x, const Problem& p) {
 #if defined(KVSERVE_AMX)
-  return p.M > kMaxWalkRows && p.M <= kAmxMaxRows && x.scalar_type() == torch::kBFloat16 && amx_ready();
+  const int64_t fewer_rows = kDense<Type> ? small_batch_linear_max_rows() : kMaxWalkRows;
+  return p.M > fewer_rows && p.M <= kAmxMaxRows && x.scalar_type() == torch::kBFloat16 &&
+         p.K % kTileStep<Type>.values == 0 && amx_ready();
 #else
   (void)x, (void)p;
   return false;
@@ -812,7 +874,7 @@ bool uses_amx(const torch::Tensor& x, const Problem& p) {
 template <int64_t Type>
 void run_type(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
 #if defined(KVSERVE_AMX)
-  if (uses_amx(x, p)) return amx_gemm<Type>(x, p, out);
+  if (uses_amx<Type>(x, p)) return amx_gemm<Type>(x, p, out);
 #endif
   if (p.M > kMaxWalkRows) return gemm_slices<Type>(x, p, out);
   auto go = [&](const auto* xp) {
@@ -823,9 +885,27 @@ void run_type(const torch::Tensor& x, const Problem& p, const torch::Tensor& out
   else go(x.data_ptr<float>());
 }
 
+// A dense weight's rows `w` [N, K] (a view of its bytes), in place.
+template <int64_t Type>
+void run_dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, const Problem& p,
+               const torch::Tensor& out) {
+  const torch::Tensor columns = out.narrow(1, p.out_col, p.N);
+  if (p.M <= small_batch_linear_max_rows() && small_batch_linear_reads(x.scalar_type(), w.scalar_type()))
+    return void(columns.copy_(small_batch_linear(x, w, bias)));
+#if defined(KVSERVE_AMX)
+  if (uses_amx<Type>(x, p)) return amx_gemm<Type>(x, p, out);
+#endif
+  if (x.scalar_type() == w.scalar_type())  // torch's matmul (oneDNN) on the rows as they are
+    return void(columns.copy_(at::linear(x, w, bias.numel() ? bias.to(x.scalar_type()) : torch::Tensor())));
+  gemm_slices<Type>(x, p, out);
+}
+
 template <typename Fn>
 void with_type(int64_t type, Fn&& fn) {
   switch (type) {
+    case kF32: fn(std::integral_constant<int64_t, kF32>{}); break;
+    case kF16: fn(std::integral_constant<int64_t, kF16>{}); break;
+    case kBF16: fn(std::integral_constant<int64_t, kBF16>{}); break;
     case kQ4_0: fn(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); break;
     case kQ5_0: fn(std::integral_constant<int64_t, kQ5_0>{}); break;
@@ -878,7 +958,11 @@ void quant_linear_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch
   const torch::Tensor bias32 = bias.numel() ? bias.to(torch::kFloat).contiguous() : bias;
   const Problem p{blocks.data_ptr<uint8_t>(), blocks.size(1), K, N,
                   bias.numel() ? bias32.data_ptr<float>() : nullptr, x.size(0), out.size(1), col};
-  with_type(type, [&](auto t) { run_type<decltype(t)::value>(x, p, out); });
+  with_type(type, [&](auto t) {
+    constexpr int64_t Type = decltype(t)::value;
+    if constexpr (kDense<Type>) run_dense<Type>(x, blocks.view(c10::CppTypeToScalarType<DenseValue<Type>>::value), bias, p, out);
+    else run_type<Type>(x, p, out);
+  });
 }
 
 // out[i] = row ids[i] of W decoded (an embedding lookup over a weight held as blocks); out [len(ids), K]

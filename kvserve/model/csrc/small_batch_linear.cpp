@@ -1,4 +1,5 @@
-// x @ weight.T (+ bias) for one or two rows of x, reading a plain row-major weight (CPU).
+// x @ weight.T (+ bias) for one or two rows of x, reading a plain row-major weight (CPU): quant_linear's path for
+// dense weights of one or two rows.
 //
 // With one or two rows a matmul is a walk over the weight: every byte is read once and used for one or two
 // multiply-adds, so its speed is the speed of that walk. oneDNN's packed GEMV streams bf16 weights at ~17 GB/s
@@ -24,6 +25,7 @@ constexpr int64_t kRowsPerTask = 16;  // weight rows per parallel task (its outp
 
 inline float widen(float v) { return v; }
 inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+inline float widen(at::Half v) { return static_cast<float>(v); }
 
 // out[m * N + n] = dot(x[m], w[n]) (+ bias[n]) for the weight rows [n0, n1), M rows of fp32 x.
 template <int M, typename w_t, typename out_t>
@@ -109,13 +111,21 @@ bool small_batch_linear_has_bf16_dot() {
 
 int64_t small_batch_linear_max_rows() { return kMaxRows; }
 
-// x [M, K] (M <= 2), weight [N, K] row-major, bias [N] or empty; x and weight both fp32 or both bf16.
+// fp32 x with fp32, bf16 or fp16 weights (a 16-bit checkpoint computed in fp32 keeps its weights 16-bit), or
+// bf16 x with bf16 weights.
+bool small_batch_linear_reads(torch::ScalarType x, torch::ScalarType weight) {
+  if (x == torch::kFloat) return weight == torch::kFloat || weight == torch::kBFloat16 || weight == torch::kHalf;
+  return x == torch::kBFloat16 && weight == torch::kBFloat16;
+}
+
+// x [M, K] (M <= 2), weight [N, K] row-major, bias [N] or empty; dtypes as small_batch_linear_reads says.
 // Returns [M, N] in x's dtype.
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K] and weight [N, K]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_batch_linear takes 1 to ", kMaxRows, " rows");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
-              (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16), "x and weight: both fp32 or bf16");
+  TORCH_CHECK(small_batch_linear_reads(x.scalar_type(), weight.scalar_type()),
+              "small_batch_linear reads fp32 x with fp32, bf16 or fp16 weights, or bf16 x with bf16 weights; got ",
+              x.scalar_type(), " x and ", weight.scalar_type(), " weights");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias must have one value per output");
@@ -124,7 +134,11 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::T
   const float* b = bias.numel() ? bias32.data_ptr<float>() : nullptr;
   auto out = torch::empty({M, N}, x.options());
   if (x.scalar_type() == torch::kFloat) {
-    run_widened(x.data_ptr<float>(), M, weight.data_ptr<float>(), b, K, N, out.data_ptr<float>());
+    const float* xf = x.data_ptr<float>();
+    float* yf = out.data_ptr<float>();
+    if (weight.scalar_type() == torch::kFloat) run_widened(xf, M, weight.data_ptr<float>(), b, K, N, yf);
+    else if (weight.scalar_type() == torch::kBFloat16) run_widened(xf, M, weight.data_ptr<at::BFloat16>(), b, K, N, yf);
+    else run_widened(xf, M, weight.data_ptr<at::Half>(), b, K, N, yf);
     return out;
   }
   const auto* w = weight.data_ptr<at::BFloat16>();
