@@ -16,9 +16,9 @@ from kvserve.model.layers import PackedWeight, onednn_packs
 from kvserve.model.loader import load_model
 from kvserve.model.quant_weight import DENSE_TYPES, QuantWeight, dense_weight
 
-# 1-2: small_batch_linear's walk; 3-48 of bf16 x: AMX tiles where the CPU has them, else torch's matmul (or
+# 1-8: small_batch_linear's walk; 9-48 of bf16 x: AMX tiles where the CPU has them, else torch's matmul (or
 # widened slices when x's dtype is not the weight's); past 48: torch's matmul or slices.
-ROWS = [1, 2, 3, 9, 16, 33, 48, 49, 300]
+ROWS = [1, 2, 3, 8, 9, 16, 33, 48, 49, 300]
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
                (torch.bfloat16, torch.bfloat16)]
 
@@ -109,7 +109,7 @@ def test_checkpoint_weights_are_held_once_and_give_the_portable_logits(kind, che
         assert reference.weights_bytes <= loaded.weights_bytes <= 1.05 * reference.weights_bytes
     else:  # 16-bit weights, fp32 compute: half the portable path's fp32 matrices
         assert loaded.weights_bytes < 0.55 * reference.weights_bytes
-    # One token (small_batch_linear), three (AMX tiles or torch), 37 (a prefill)
+    # One token and three (small_batch_linear), 37 (a prefill)
     for tokens in ([5], [5, 6, 7], list(range(3, 40))):
         ours = kvserve_logits(loaded, tokens).float()
         theirs = kvserve_logits(reference, tokens).float()

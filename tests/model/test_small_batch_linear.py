@@ -1,4 +1,4 @@
-"""Matmuls of one or two rows over plain weights (csrc/small_batch_linear.cpp), in every ISA family this CPU
+"""Matmuls of 1 to 8 rows over plain weights (csrc/small_batch_linear.cpp), in every ISA family this CPU
 runs, against fp64 over the same values (models using them: test_dense_weights.py)."""
 
 import pytest
@@ -10,7 +10,7 @@ from kernel_families import FAMILIES, kernels_for
 @pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                  (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)],
                          ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])  # pairs of rows, and one left over
 @pytest.mark.parametrize("in_features", [576, 1536, 100, 7])  # multiples of the vector widths, and tails
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_fp64(isa, dtype, weight_dtype, rows, in_features, with_bias):
@@ -31,7 +31,7 @@ def test_matches_fp64(isa, dtype, weight_dtype, rows, in_features, with_bias):
 @FAMILIES
 def test_refuses_what_it_does_not_compute(isa):
     kernels = kernels_for(isa)
-    with pytest.raises(RuntimeError, match="1 to 2 rows"):
-        kernels.small_batch_linear(torch.randn(3, 8), torch.randn(4, 8), torch.empty(0))
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        kernels.small_batch_linear(torch.randn(9, 8), torch.randn(4, 8), torch.empty(0))
     with pytest.raises(RuntimeError, match="bf16 x with bf16 weights"):
         kernels.small_batch_linear(torch.randn(1, 8).bfloat16(), torch.randn(4, 8), torch.empty(0))

@@ -10,10 +10,10 @@
 //   holding the whole weight dequantized. On CPUs with AMX, 9 to 48 rows of bf16 x (a batched decode step)
 //   multiply 16 weight rows at a time, decoded into a tile in L1, with AMX's tile products instead.
 //
-// A 16-bit or fp32 weight (ggml's F16, BF16, F32: a checkpoint's plain rows) is held once and read here too: 1-2
-// rows by small_batch_linear's walk, 3 to 48 rows of bf16 x on AMX tiles as above (the rows are tiles as they
-// stand), more rows by torch's matmul on the rows in place, or, when x's dtype is not the weight's (fp32 x on a
-// CPU without bf16 dot products, weights kept 16-bit), slices widened as blocks are decoded.
+// A 16-bit or fp32 weight (ggml's F16, BF16, F32: a checkpoint's plain rows) is held once and read here too: up
+// to 8 rows by small_batch_linear's walk, 9 to 48 rows of bf16 x on AMX tiles as above, more rows by torch's
+// matmul on the rows in place, or, when x's dtype is not the weight's (fp32 x on a CPU without bf16 dot
+// products, weights kept 16-bit), slices widened as blocks are decoded.
 //
 // Values are decoded as ggml (and gguf.quants) define them. Accumulation is fp32, the result rounded once.
 #include <torch/extension.h>

@@ -1,12 +1,11 @@
-// x @ weight.T (+ bias) for one or two rows of x, reading a plain row-major weight (CPU): quant_linear's path for
-// dense weights of one or two rows.
+// x @ weight.T (+ bias) for 1 to 8 rows of x, reading a plain row-major weight (CPU): quant_linear's path for dense
+// weights (a 16-bit or fp32 checkpoint's rows) at decode batch sizes.
 //
-// With one or two rows a matmul is a walk over the weight: every byte is read once and used for one or two
-// multiply-adds, so its speed is the speed of that walk. oneDNN's packed GEMV streams bf16 weights at ~17 GB/s
-// on a 2-core Zen 4 (29 GB/s is what the cores can read); walking one weight row at a time, with the rows of x
-// against it, reads them at ~27 GB/s: a single-stream decode step's matmuls take 1.4x less time (weights of
-// SmolLM2-135M: 10.4 ms against 14.3). Four rows at once (a register tile, as for larger batches) halves the
-// walk's speed, which is why this kernel is only for the smallest batches and oneDNN keeps the rest.
+// With few rows a matmul is a walk over the weight: every byte is read once and used for a few multiply-adds,
+// so its speed is the speed of that walk. Each weight row is walked against two rows of x at a time (more
+// accumulators spill); a batch of up to 8 rows walks a task's 16 weight rows once per pair of x's rows, from
+// memory the first time and from cache after. oneDNN's GEMV over its packed layout read bf16 weights at
+// two-thirds of this walk's speed on a Zen 4 (benchmarks/RESULTS.md).
 //
 // Accumulation is in fp32 whatever the dtypes; bf16 x bf16 uses AVX512-BF16 dot products where the family has
 // them, everything else widens to fp32 (bf16 by a 16-bit shift) and uses FMA. The result is rounded once.
@@ -20,7 +19,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 2;
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kGroupRows = 2;  // rows of x against one pass over the weight rows (more spill accumulators)
 constexpr int64_t kRowsPerTask = 16;  // weight rows per parallel task (its outputs share cache lines)
 
 inline float widen(float v) { return v; }
@@ -86,16 +86,22 @@ void rows_bf16(const at::BFloat16* x, const at::BFloat16* w, const float* bias, 
 }
 #endif
 
+// rows(n0, n1, m0, size) for each task's weight rows [n0, n1) and each group of x's rows [m0, m0 + size): the
+// first group reads the task's weight rows from memory, the next ones find them in cache.
 template <typename Rows>
-void over_weight_rows(int64_t N, Rows&& rows) {
-  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) { rows(n0, n1); });
+void over_weight_rows(int64_t N, int64_t M, Rows&& rows) {
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
+      if (M - m0 >= 2) rows(n0, n1, m0, std::integral_constant<int, 2>{});
+      else rows(n0, n1, m0, std::integral_constant<int, 1>{});
+    }
+  });
 }
 
 template <typename w_t, typename out_t>
 void run_widened(const float* x, int64_t M, const w_t* w, const float* bias, int64_t K, int64_t N, out_t* out) {
-  over_weight_rows(N, [&](int64_t n0, int64_t n1) {
-    if (M == 1) rows_widened<1>(x, w, bias, K, N, n0, n1, out);
-    else rows_widened<2>(x, w, bias, K, N, n0, n1, out);
+  over_weight_rows(N, M, [&](int64_t n0, int64_t n1, int64_t m0, auto size) {
+    rows_widened<decltype(size)::value>(x + m0 * K, w, bias, K, N, n0, n1, out + m0 * N);
   });
 }
 
@@ -118,7 +124,7 @@ bool small_batch_linear_reads(torch::ScalarType x, torch::ScalarType weight) {
   return x == torch::kBFloat16 && weight == torch::kBFloat16;
 }
 
-// x [M, K] (M <= 2), weight [N, K] row-major, bias [N] or empty; dtypes as small_batch_linear_reads says.
+// x [M, K] (M <= kMaxRows), weight [N, K] row-major, bias [N] or empty; dtypes as small_batch_linear_reads says.
 // Returns [M, N] in x's dtype.
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K] and weight [N, K]");
@@ -145,9 +151,8 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::T
   auto* y = out.data_ptr<at::BFloat16>();
 #if defined(__AVX512BF16__)
   const auto* xb = x.data_ptr<at::BFloat16>();
-  over_weight_rows(N, [&](int64_t n0, int64_t n1) {
-    if (M == 1) rows_bf16<1>(xb, w, b, K, N, n0, n1, y);
-    else rows_bf16<2>(xb, w, b, K, N, n0, n1, y);
+  over_weight_rows(N, M, [&](int64_t n0, int64_t n1, int64_t m0, auto size) {
+    rows_bf16<decltype(size)::value>(xb + m0 * K, w, b, K, N, n0, n1, y + m0 * N);
   });
 #else
   const torch::Tensor x32 = x.to(torch::kFloat);  // M x K: widened once, read once per weight row
