@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -86,14 +87,17 @@ void rows_bf16(const at::BFloat16* x, const at::BFloat16* w, const float* bias, 
 }
 #endif
 
-// rows(n0, n1, m0, size) for each task's weight rows [n0, n1) and each group of x's rows [m0, m0 + size): the
-// first group reads the task's weight rows from memory, the next ones find them in cache.
+// rows(n0, n1, m0, size) for each run of kRowsPerTask weight rows [n0, n1) and each group of x's rows
+// [m0, m0 + size): the first group reads the run's weight rows from memory, the next ones find them in cache.
 template <typename Rows>
 void over_weight_rows(int64_t N, int64_t M, Rows&& rows) {
-  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
-      if (M - m0 >= 2) rows(n0, n1, m0, std::integral_constant<int, 2>{});
-      else rows(n0, n1, m0, std::integral_constant<int, 1>{});
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += kRowsPerTask) {
+      const int64_t n1 = std::min(n0 + kRowsPerTask, end);
+      for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
+        if (M - m0 >= 2) rows(n0, n1, m0, std::integral_constant<int, 2>{});
+        else rows(n0, n1, m0, std::integral_constant<int, 1>{});
+      }
     }
   });
 }
