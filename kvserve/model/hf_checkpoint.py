@@ -64,3 +64,19 @@ def iter_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[st
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name).to(dtype), str(path)
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def safetensors_matrix_dtype(files: list[Path]) -> torch.dtype | None:
+    """The dtype every matrix of the checkpoint is stored in when that is one float type (read from the headers);
+    None when the types differ or are not floats."""
+    found = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                if len(tensor.get_shape()) == 2:
+                    found.add(tensor.get_dtype())
+    return SAFETENSORS_DTYPES.get(found.pop()) if len(found) == 1 else None

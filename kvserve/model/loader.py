@@ -21,6 +21,7 @@ from kvserve.model.cpu_kernels import cpu_kernels, packed_weights_are_faster
 from kvserve.model.demo import DEMO_MODEL_NAME, demo_model_path
 from kvserve.model.hf_checkpoint import (
     count_safetensors_tensors, iter_safetensors, read_generation_config, read_hf_config, safetensors_files,
+    safetensors_matrix_dtype,
 )
 from kvserve.model.layers import bound_onednn_caches
 from kvserve.model.llama import LlamaForCausalLM
@@ -243,8 +244,7 @@ class _HFSource:
         return iter(())  # safetensors hold plain (or differently quantized) tensors
 
     def matrix_dtype(self) -> torch.dtype | None:
-        """The dtype config.json declares the checkpoint's tensors in."""
-        return DTYPES.get(str(self.config.get("torch_dtype") or self.config.get("dtype") or "").removeprefix("torch."))
+        return safetensors_matrix_dtype(self.files)
 
     def parameter_bytes(self) -> int:
         return sum(file.stat().st_size for file in self.files)

@@ -2,6 +2,8 @@
 every batch size (quant_linear's dense parts): the kernel against fp64 over the same values in every ISA family
 this CPU runs, and models holding them against the portable path (F.linear over plain parameters)."""
 
+import json
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -134,3 +136,15 @@ def test_a_16_bit_gguf_computed_in_fp32_keeps_its_matrices_16_bit(tmp_path, monk
     for tokens in ([5], list(range(3, 40))):
         ours, theirs = kvserve_logits(loaded, tokens).float(), kvserve_logits(reference, tokens).float()
         assert (ours - theirs).abs().max().item() <= 1e-4 * theirs.abs().max().item()
+
+
+def test_the_stored_dtype_is_read_from_the_safetensors_not_the_config(tmp_path):
+    """A config.json that names another dtype than its tensors' (float16 over bf16 tensors) must not make fp32
+    compute narrow the bf16 matrices to fp16."""
+    folder = _bf16_checkpoint("llama", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"torch_dtype": "float16", "dtype": "float16"}))
+    loaded = load_model(str(folder), dtype="float32")
+    if loaded.model.fused_kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
+    assert {w.parts[0].ggml_type for w in _held(loaded.model).values()} == {DENSE_TYPES[torch.bfloat16]}
