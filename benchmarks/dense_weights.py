@@ -26,7 +26,7 @@ from machine_bounds import best_seconds, describe, matmul_peak, memory_bandwidth
 
 from kvserve.model.cpu_isa import native_bf16, selected_isa  # noqa: E402
 from kvserve.model.cpu_kernels import cpu_kernels, packed_weights_are_faster  # noqa: E402
-from kvserve.model.layers import tensor_bytes  # noqa: E402
+from kvserve.model.layers import PackedWeight, tensor_bytes  # noqa: E402
 from kvserve.model.quant_weight import dense_weight  # noqa: E402
 
 # (hidden, intermediate, attention heads, KV heads, head dim, layers)
@@ -45,16 +45,16 @@ class PackedWithPlainCopy:
 
     def __init__(self, weight: torch.Tensor, kernels) -> None:
         self.plain = weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.packed = PackedWeight.of(weight)
         self.kernels = kernels
 
     def linear(self, x: torch.Tensor, packed_only: bool = False) -> torch.Tensor:
         if x.shape[0] <= 2 and not packed_only:
             return self.kernels.small_batch_linear(x, self.plain, torch.empty(0))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return self.packed.linear(x)
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.plain) + tensor_bytes(self.packed)
+        return tensor_bytes(self.plain) + self.packed.nbytes()
 
 
 def main() -> None:

@@ -27,9 +27,10 @@ class SelfAttention(torch.nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v fused into one matmul; the loader writes each checkpoint tensor into its rows.
-        self.qkv_proj = empty_parameter(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=weight_dtype or dtype)
+        weight_dtype = weight_dtype or dtype
+        self.qkv_proj = empty_parameter(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=weight_dtype)
         self.qkv_bias = empty_parameter(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
-        self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=weight_dtype or dtype)
+        self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=weight_dtype)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
 
     def forward(self, x: torch.Tensor, step: "ForwardStep", kv_cache: object | None) -> torch.Tensor:
@@ -115,8 +116,9 @@ class LlamaForCausalLM(torch.nn.Module):
         for module, name in self._matmul_weights():
             weight = getattr(module, name)
             if isinstance(weight, torch.Tensor):
+                weight = weight.detach()
                 delattr(module, name)
-                setattr(module, name, PackedWeight.of(weight.detach()) if packed else dense_weight(weight.detach(), kernels))
+                setattr(module, name, PackedWeight.of(weight) if packed else dense_weight(weight, kernels))
         if isinstance(self.embed_tokens, torch.Tensor) and self.shard.size == 1:
             embedding = self.embed_tokens.detach()
             del self.embed_tokens
