@@ -9,6 +9,8 @@ prefill: the paged prefill kernel (every segment of a step in one call, K/V read
 decode:  the paged decode kernel vs the portable path (one index_select gather + two matmuls per layer), at
          32 sequences x 450 tokens, cycling through `--layers` layers' caches so the KV comes from DRAM as in a
          real decode step, and at 8 x 1,024 tokens with Llama-3-8B's heads (4 query heads per KV head);
+shared prefix: the decode kernel reading 32 sequences' shared 400-token prefix once for all of them (cascade)
+         vs the same kernel reading each context alone (the "torch path" column);
 quantized decode: the decode kernel over a 4,096-token context (8 sequences) with the cache in bf16, fp8_e4m3,
          int8 and int4 (--kv-cache-dtype), each against bf16: fewer bytes per token read from DRAM; in SmolLM2's
          shape and in Qwen2.5-1.5B's (12 query heads over 2 KV heads of 128). --quantized-only: just these.
@@ -117,6 +119,37 @@ def decode_case(label: str, layers: int, kernels, generator, num_seqs: int = 32,
     print(f"{label:58} {ours:9.3f} {theirs:10.3f} {theirs / ours:7.2f}x")
 
 
+def shared_prefix_case(layers: int, kernels, generator, num_seqs: int = 32, shared: int = 400) -> None:
+    """Workload (a)'s decode step: 32 sequences whose first 400 tokens are the same cached blocks, each with 30 to
+    94 tokens of its own. The kernel reading the shared blocks once for the group (cascade; on CPUs with AMX its
+    96 query rows per KV head multiply on tiles) vs the same kernel reading every context alone."""
+    shared_blocks = shared // BLOCK
+    own = [30 + (64 * s) // num_seqs for s in range(num_seqs)]
+    lens = [shared + n for n in own]
+    own_blocks = [-(-n // BLOCK) for n in lens]
+    num_blocks = shared_blocks + sum(b - shared_blocks for b in own_blocks) + 1
+    caches = paged_layers(layers, num_blocks, generator)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    prefix, rest = order[:shared_blocks], iter(order[shared_blocks:])
+    tables = [prefix + [next(rest) for _ in range(b - shared_blocks)] for b in own_blocks]
+    width = max(own_blocks)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    context_lens = torch.tensor(lens)
+    groups = (torch.full((num_seqs,), shared_blocks * BLOCK), torch.zeros(num_seqs, dtype=torch.long))
+    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+    decode_fn, layer = decode_kernel(kernels, DTYPE, caches[0]), iter(range(10**9))
+
+    def cascade() -> None:
+        decode_fn(q, caches[next(layer) % layers], tables, context_lens, HEAD_DIM**-0.5, 0, groups)
+
+    def alone() -> None:
+        decode_fn(q, caches[next(layer) % layers], tables, context_lens, HEAD_DIM**-0.5, 0)
+
+    ours, theirs = per_call_ms(cascade, 4 * layers), per_call_ms(alone, 4 * layers)
+    label = f"decode: {num_seqs} seqs sharing {shared} tokens, read once (vs alone)"
+    print(f"{label:58} {ours:9.3f} {theirs:10.3f} {theirs / ours:7.2f}x")
+
+
 def quantized_decode_case(layers: int, kernels, generator, shape: str = "", heads: int = HEADS,
                           kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> None:
     """The decode kernel at 8 x 4,096 tokens, per KV format; each format's caches filled with the same K/V."""
@@ -169,6 +202,7 @@ def torch_path_cases(args: argparse.Namespace, kernels, generator) -> None:
     prefill_case("prefill: 5 prompts x 415 tokens, no past", [415] * 5, [0] * 5, args.layers, kernels, generator)
     prefill_case("prefill: 64-token chunk over a 2,000-token cached past", [64], [2000], args.layers, kernels, generator)
     decode_case("decode: 32 seqs x 450 tokens, KV from DRAM", args.layers, kernels, generator)
+    shared_prefix_case(args.layers, kernels, generator)
     # GQA groups wider than the values pass's registers hold (4 query rows per KV head here, 7 in Qwen2.5-7B)
     decode_case("decode: 8 x 1,024 tokens, Llama-3-8B heads (32/8 x 128)", min(args.layers, 8), kernels, generator,
                 num_seqs=8, context=1024, heads=32, kv_heads=8, head_dim=128)

@@ -60,9 +60,9 @@ GROUPS = [
 ]
 
 
-def check_against_reference(kernel, cache, dense, dtype, heads, kv_heads, head_dim, tolerance):
+def check_against_reference(kernel, cache, dense, dtype, heads, kv_heads, head_dim, tolerance, groups=GROUPS):
     generator = torch.Generator().manual_seed(1)
-    tables, lens, shared = shared_tables(generator, cache.key.shape[0], GROUPS)
+    tables, lens, shared = shared_tables(generator, cache.key.shape[0], groups)
     q = torch.randn(len(lens), heads, head_dim, generator=generator).to(dtype)
     spec = Spec(heads, kv_heads, head_dim)
     cascaded = kernel(q, cache, tables, lens, spec.scale, 0, shared).view(len(lens), -1).float()
@@ -85,6 +85,24 @@ def test_shared_prefix_decode_matches_dense_attention(isa, dtype, cache_dtype, h
     kernel = decode_kernel(kernels_for(isa), dtype, cache)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     check_against_reference(kernel, cache, cache, dtype, heads, kv_heads, head_dim, tolerance)
+
+
+# Many members: a shared part's query rows (members x GQA group) fill several 16-row tiles, which bf16 queries
+# over a bf16 cache multiply on AMX tiles where the CPU has them; the 656-token prefix spans two of its 512-token
+# chunks, and 21 rows (7 x 3) leave a tile part empty.
+MANY_MEMBERS = [([660 + 7 * i for i in range(24)], 41), ([700, 657, 690, 701, 680, 666, 699], 41)]
+
+
+@FAMILIES
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 3, 64), (9, 3, 64), (14, 2, 128), (8, 1, 256)])
+def test_shared_prefix_of_many_members_matches_dense_attention(isa, heads, kv_heads, head_dim):
+    generator = torch.Generator().manual_seed(0)
+    shape = (400, BLOCK, kv_heads, head_dim)
+    cache = LayerKVCache(torch.randn(shape, generator=generator).to(torch.bfloat16),
+                         torch.randn(shape, generator=generator).to(torch.bfloat16))
+    kernel = decode_kernel(kernels_for(isa), torch.bfloat16, cache)
+    # bf16 outputs: within a few of their own roundings (2^-9 relative) of the exact attention.
+    check_against_reference(kernel, cache, cache, torch.bfloat16, heads, kv_heads, head_dim, 1.5e-2, MANY_MEMBERS)
 
 
 @FAMILIES

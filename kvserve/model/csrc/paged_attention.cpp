@@ -16,6 +16,7 @@
 
 #include "kv_dequant.h"
 #include "simd.h"
+#include "tile_attention.h"
 
 namespace {
 
@@ -1189,6 +1190,14 @@ torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, co
   run_parts(plan, num_seqs, num_kv_heads, group, head_dim, q.data_ptr<q_t>(), out.data_ptr<q_t>(),
             [&](const Part& part, const q_t* rows, int64_t num_rows, float* partial, auto& scores, auto& qf,
                 auto& row, auto& offsets, auto&, auto&) {
+#if defined(KVSERVE_AMX)
+              if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
+                if (tile_attention::applies(num_rows, head_dim))  // a shared prefix's many rows: tile products
+                  return tile_attention::attend_rows(rows, num_rows, k_cache, v_cache, tables + part.seq * max_blocks,
+                                                     block_size, num_kv_heads, part.kv_head, head_dim, part.first,
+                                                     part.end, static_cast<float>(scale), partial);
+              }
+#endif
               task_fn(rows, k_cache, v_cache, tables + part.seq * max_blocks, part.end, part.first, block_size,
                       num_kv_heads, part.kv_head, num_rows, head_dim, static_cast<float>(scale), cache_scales, partial,
                       scores, qf, row, offsets);

@@ -1,0 +1,201 @@
+// Attention of many query rows over one KV head's cached tokens on AMX tiles: the shape of a shared prefix read
+// once for a whole group of decoding sequences (every member's GQA rows against the same keys), where vector
+// code is bound by its multiply-adds, not by the bytes read.
+//
+// The keys and values are read in place through the block table and laid out in L1/L2 as the tile products'
+// right operands (pairs of bf16 along the summed dimension), a chunk of tokens at a time:
+//   scores [16 rows x 16 tokens] = q rows [16 x 32 dims] . key pairs [16 dim pairs x 16 tokens], over the dims;
+//   sums   [16 rows x 16 dims]   = probabilities [16 x 32 tokens] . value pairs [16 token pairs x 16 dims].
+// Scores are fp32 sums of exact bf16 products (as vdpbf16ps gives the vector path); softmax is fp32; each
+// probability enters the values' product as two bf16 terms (its rounding and the remainder's), so it keeps
+// 16 bits rather than bf16's 8, and the sums stay close to the vector path's fp32 probabilities.
+#pragma once
+
+#include "amx.h"
+#include "simd.h"
+
+#if defined(KVSERVE_AMX)
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace tile_attention {
+
+constexpr int64_t kMinRows = 16;       // fewer query rows than one tile's stay on the vector path
+constexpr int64_t kChunkTokens = 512;  // tokens laid out at a time: K and V pairs of 256 dims stay within L2
+
+struct Scratch {
+  std::vector<uint32_t> keys, values;  // the chunk's K and V as tiles' right operands
+  std::vector<float> scores, sums;     // one row block's [16 x chunk rounded up to 32] scores, [16 x head_dim] sums
+  std::vector<at::BFloat16> high, low; // its probabilities, [16 x chunk rounded up to 32], as two bf16 terms
+  std::vector<at::BFloat16> q;         // a last row block padded to 16 rows
+  std::vector<int64_t> offsets;        // each token's row in the caches
+};
+
+// keys[tile j][dim chunk c][pair i][token tt] = dims (32c + 2i, 32c + 2i + 1) of token 16j + tt; zeros past count.
+inline void pack_keys(const at::BFloat16* cache, const int64_t* offsets, int64_t count, int64_t padded,
+                      int64_t head_dim, uint32_t* keys) {
+  const int64_t chunks = head_dim / amx::kTileValues;
+  for (int64_t t = 0; t < padded; ++t) {
+    uint32_t* tile = keys + (t / 16) * chunks * 256 + t % 16;
+    if (t >= count) {
+      for (int64_t k = 0; k < chunks * 16; ++k) tile[k * 16] = 0;
+      continue;
+    }
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(cache + offsets[t]);
+    for (int64_t k = 0; k < chunks * 16; ++k) tile[k * 16] = pairs[k];
+  }
+}
+
+// values[tile k][dim chunk c][pair p][dim i] = (token 32k + 2p, token 32k + 2p + 1) at dim 16c + i; zeros past count.
+inline void pack_values(const at::BFloat16* cache, const int64_t* offsets, int64_t count, int64_t padded,
+                        int64_t head_dim, uint32_t* values) {
+  const int64_t chunks = head_dim / 16;
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t t = 0; t < padded; t += 2) {
+    const at::BFloat16* even = t < count ? cache + offsets[t] : nullptr;
+    const at::BFloat16* odd = t + 1 < count ? cache + offsets[t + 1] : nullptr;
+    uint32_t* tile = values + (t / 32) * chunks * 256 + (t % 32) / 2 * 16;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256i a = even ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + 16 * c)) : zero;
+      const __m256i b = odd ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + 16 * c)) : zero;
+      const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      _mm512_storeu_si512(tile + c * 256, pairs);
+    }
+  }
+}
+
+// A row's scores (the first `count`; the row is read up to `padded`, a multiple of 32) -> e^(scale x score - max)
+// as two bf16 terms each (zeros past count), with the row's max and sum.
+inline void softmax_row(const float* scores, int64_t count, int64_t padded, float scale, at::BFloat16* high,
+                        at::BFloat16* low, float* row_max, float* row_sum) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  auto valid = [&](int64_t t0) {
+    return static_cast<__mmask16>(t0 >= count ? 0 : count - t0 >= 16 ? 0xffff : (1u << (count - t0)) - 1);
+  };
+  __m512 max_v = _mm512_set1_ps(-1e30f);  // not -inf: built with -ffast-math
+  for (int64_t t0 = 0; t0 < count; t0 += 16)
+    max_v = _mm512_mask_max_ps(max_v, valid(t0), max_v, _mm512_mul_ps(_mm512_loadu_ps(scores + t0), scale_v));
+  const float max_score = _mm512_reduce_max_ps(max_v);
+  const __m512 shift = _mm512_set1_ps(max_score);
+  __m512 sum_v = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + t0), scale_v, shift);
+    const __m512 p = _mm512_maskz_mov_ps(valid(t0), simd::exp_nonpositive(x));
+    sum_v = _mm512_add_ps(sum_v, p);
+    const __m256bh rounded = _mm512_cvtneps_pbh(p);
+    const __m256bh rest = _mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_cvtpbh_ps(rounded)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + t0), reinterpret_cast<const __m256i&>(rounded));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + t0), reinterpret_cast<const __m256i&>(rest));
+  }
+  *row_max = max_score;
+  *row_sum = _mm512_reduce_add_ps(sum_v);
+}
+
+// Folds a chunk's result for `rows` rows into the part's running one (the first chunk's is copied).
+inline void merge_chunk(const float* sums, const float* maxima, const float* totals, int64_t rows, int64_t head_dim,
+                        bool first, float* out_sums, float* out_maxima, float* out_totals) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (first) {
+      std::copy_n(sums + r * head_dim, head_dim, out_sums + r * head_dim);
+      out_maxima[r] = maxima[r], out_totals[r] = totals[r];
+      continue;
+    }
+    const float top = std::max(out_maxima[r], maxima[r]);
+    const float old_weight = std::exp(out_maxima[r] - top), new_weight = std::exp(maxima[r] - top);
+    for (int64_t d = 0; d < head_dim; ++d)
+      out_sums[r * head_dim + d] = out_sums[r * head_dim + d] * old_weight + sums[r * head_dim + d] * new_weight;
+    out_totals[r] = out_totals[r] * old_weight + totals[r] * new_weight;
+    out_maxima[r] = top;
+  }
+}
+
+// Tiles: 0 the result, 1 and 3 left operands, 2 the right one.
+__attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline)) inline void attend_chunk(
+    const at::BFloat16* q, int64_t rows, int64_t head_dim, int64_t count, float scale, Scratch& s, float* maxima,
+    float* totals) {
+  const int64_t padded16 = (count + 15) / 16 * 16, padded32 = (count + 31) / 32 * 32;
+  const int64_t dim_chunks = head_dim / amx::kTileValues, dim_tiles = head_dim / 16;
+  for (int64_t j = 0; j < padded16 / 16; ++j) {
+    _tile_zero(0);
+    for (int64_t c = 0; c < dim_chunks; ++c) {
+      _tile_loadd(1, q + c * amx::kTileValues, head_dim * 2);
+      _tile_loadd(2, s.keys.data() + (j * dim_chunks + c) * 256, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, s.scores.data() + j * 16, padded32 * 4);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    softmax_row(s.scores.data() + r * padded32, count, padded32, scale, s.high.data() + r * padded32,
+                s.low.data() + r * padded32, maxima + r, totals + r);
+  for (int64_t r = rows; r < amx::kTileRows; ++r) {  // rows past the query's: zero weights
+    std::fill_n(s.high.data() + r * padded32, padded32, at::BFloat16(0.f));
+    std::fill_n(s.low.data() + r * padded32, padded32, at::BFloat16(0.f));
+  }
+  for (int64_t c = 0; c < dim_tiles; ++c) {
+    _tile_zero(0);
+    for (int64_t k = 0; k < padded32 / 32; ++k) {
+      _tile_loadd(2, s.values.data() + (k * dim_tiles + c) * 256, 64);
+      _tile_loadd(1, s.high.data() + k * 32, padded32 * 2);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_loadd(3, s.low.data() + k * 32, padded32 * 2);
+      _tile_dpbf16ps(0, 3, 2);
+    }
+    _tile_stored(0, s.sums.data() + c * 16, head_dim * 4);
+  }
+}
+
+inline bool applies(int64_t num_rows, int64_t head_dim) {
+  return num_rows >= kMinRows && head_dim % amx::kTileValues == 0 && head_dim <= 256 && amx::ready();
+}
+
+// `num_rows` bf16 query rows [num_rows x head_dim] over one KV head's tokens [first, end) of a bf16 cache
+// [blocks, block_size, num_kv_heads, head_dim] read through `table`: writes partial = unnormalised sums
+// [num_rows x head_dim] | row maxima [num_rows] | row sums [num_rows], as the decode tasks do.
+__attribute__((target("amx-tile,amx-bf16"))) inline void attend_rows(
+    const at::BFloat16* q, int64_t num_rows, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+    const int64_t* table, int64_t block_size, int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, int64_t first,
+    int64_t end, float scale, float* partial) {
+  thread_local Scratch s;
+  float* out_maxima = partial + num_rows * head_dim;
+  float* out_totals = out_maxima + num_rows;
+  const amx::TileConfig config(4);
+  _tile_loadconfig(&config);
+  for (int64_t t0 = first; t0 < end; t0 += kChunkTokens) {
+    const int64_t count = std::min(kChunkTokens, end - t0);
+    const int64_t padded16 = (count + 15) / 16 * 16, padded32 = (count + 31) / 32 * 32;
+    s.offsets.resize(count);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t pos = t0 + t;
+      s.offsets[t] = ((table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + kv_head) * head_dim;
+    }
+    s.keys.resize(padded16 * head_dim / 2);
+    s.values.resize(padded32 * head_dim / 2);
+    s.scores.resize(amx::kTileRows * padded32);
+    s.sums.resize(amx::kTileRows * head_dim);
+    s.high.resize(amx::kTileRows * padded32);
+    s.low.resize(amx::kTileRows * padded32);
+    pack_keys(k_cache, s.offsets.data(), count, padded16, head_dim, s.keys.data());
+    pack_values(v_cache, s.offsets.data(), count, padded32, head_dim, s.values.data());
+    for (int64_t r0 = 0; r0 < num_rows; r0 += amx::kTileRows) {
+      const int64_t rows = std::min(amx::kTileRows, num_rows - r0);
+      const at::BFloat16* rows_q = q + r0 * head_dim;
+      if (rows < amx::kTileRows) {
+        s.q.assign(amx::kTileRows * head_dim, at::BFloat16(0.f));
+        std::copy_n(rows_q, rows * head_dim, s.q.data());
+        rows_q = s.q.data();
+      }
+      alignas(64) float maxima[amx::kTileRows], totals[amx::kTileRows];
+      attend_chunk(rows_q, rows, head_dim, count, scale, s, maxima, totals);
+      merge_chunk(s.sums.data(), maxima, totals, rows, head_dim, t0 == first, partial + r0 * head_dim,
+                  out_maxima + r0, out_totals + r0);
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace tile_attention
+#endif
