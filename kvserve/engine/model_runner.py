@@ -16,17 +16,11 @@ from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.engine.shared_prefix import find_shared_prefixes
 from kvserve.engine.step_plan import PromptSpan, StepInputs, StepPlan
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, kv_writer, prefill_kernel, torch_prefill_is_faster
+from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, kv_writer, prefill_kernel
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
 
 logger = logging.getLogger("kvserve.engine")
-
-# New tokens per prefill segment from which torch's SDPA beats the kernel where cpu_kernels says it can: a
-# 2,000-token prompt 1.3-1.7x, 32 prompts of 30 new tokens over a 400-token cached past 0.96x
-# (benchmarks/RESULTS.md, section 20).
-TORCH_PREFILL_MIN_TOKENS = 256
-
 
 @dataclass(slots=True)
 class StepLogits:
@@ -51,7 +45,6 @@ class ModelRunner:
         # Shared prefixes read once per group (cascade attention): the CPU decode kernel's, without a window.
         self.cascade_attention = cascade_attention and self.decode_kernel is not None and self.sliding_window is None
         self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim, kv_caches[0])
-        self.torch_prefill_for_long_segments = torch_prefill_is_faster(model.dtype, kv_caches[0])
         for layer_cache in kv_caches:  # new K/V: one call per layer (quantizing: instead of ~25 torch ops)
             layer_cache.writer = kv_writer(kernels, layer_cache)
 
@@ -106,7 +99,7 @@ class ModelRunner:
                             device=self.device)
 
     def _prefill_group(self, inputs: StepInputs, seqs: range) -> PrefillGroup:
-        if self.prefill_kernel is None or self._long_segments_for_torch(inputs, seqs):
+        if self.prefill_kernel is None:
             return PrefillGroup([self._prefill_segment(inputs, s) for s in seqs], kernel_inputs=None)
         kernel_inputs = (
             self._block_tables(inputs, seqs),
@@ -114,15 +107,6 @@ class ModelRunner:
             torch.tensor([inputs.num_computed[s] for s in seqs], dtype=torch.long),
         )
         return PrefillGroup(segments=[], kernel_inputs=kernel_inputs, kernel=self.prefill_kernel)
-
-    def _long_segments_for_torch(self, inputs: StepInputs, seqs: range) -> bool:
-        """Whether torch's SDPA takes this step's prefill: where it is faster (cpu_kernels), for segments of
-        TORCH_PREFILL_MIN_TOKENS new tokens or more on average; shorter ones (a prompt's few tokens after a
-        prefix hit) stay with the kernel, which takes them all in one call and reads their past in place."""
-        if not self.torch_prefill_for_long_segments:
-            return False
-        new_tokens = inputs.query_starts[seqs.stop] - inputs.query_starts[seqs.start]
-        return new_tokens >= TORCH_PREFILL_MIN_TOKENS * len(seqs)
 
     def _prefill_segment(self, inputs: StepInputs, seq: int) -> PrefillSegment:
         num_past = inputs.num_computed[seq]

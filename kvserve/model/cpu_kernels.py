@@ -59,16 +59,6 @@ def prefill_kernel(kernels, dtype: torch.dtype, head_dim: int, cache: LayerKVCac
     return None
 
 
-def torch_prefill_is_faster(dtype: torch.dtype, cache: LayerKVCache, flags: frozenset[str] | None = None) -> bool:
-    """Whether the portable path (torch's SDPA) can prefill long segments faster than the kernel: on a CPU with
-    AMX, over a bf16 cache, oneDNN's tile kernels under SDPA beat the kernel's AVX512-BF16 products even after
-    gathering a cached past (a 2,000-token prefill 1.3-1.7x faster end to end, benchmarks/RESULTS.md section 20;
-    the runner decides per step by the segments' length). Quantized caches keep the kernel, which reads their
-    codes in place."""
-    return (dtype == torch.bfloat16 and not cache.quantized and cache.key.dtype == torch.bfloat16
-            and has_amx_bf16(flags))
-
-
 def packed_weights_are_faster(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
     """Whether bf16 matmul weights are held in oneDNN's blocked layout alone instead of as plain rows: on a CPU with
     AMX oneDNN's matmuls over it were the fastest at every batch size, one row (its GEMV) to a prefill (plain

@@ -80,31 +80,3 @@ def test_fp32_compute_over_a_bf16_cache_is_closer_to_fp32_than_bf16_is(monkeypat
     auto = first_token_logprobs("auto")
     auto_error, bf16_error = mean_error(auto, reference), mean_error(bf16, reference)
     assert auto_error < 0.5 * bf16_error, (auto_error, bf16_error)
-
-
-def test_long_prefill_segments_go_to_torchs_sdpa_where_it_is_faster():
-    """Where cpu_kernels.torch_prefill_is_faster (CPUs with AMX), segments of TORCH_PREFILL_MIN_TOKENS new tokens
-    or more on average take torch's SDPA, shorter ones the kernel; elsewhere the kernel takes all."""
-    from kvserve.engine.model_runner import TORCH_PREFILL_MIN_TOKENS
-    from kvserve.engine.step_plan import StepInputs
-
-    llm = LLM(None, dtype="bfloat16", device="cpu", kv_cache_memory=0.05, max_model_len=1024)
-    runner = llm.engine.runner
-    if runner.prefill_kernel is None:
-        pytest.skip("no bf16 prefill kernel here")
-
-    def group(lengths: list[int], past: int):
-        starts = [0]
-        for length in lengths:
-            starts.append(starts[-1] + length)
-        tokens = starts[-1]
-        blocks = [[0] * ((past + length) // 16 + 1) for length in lengths]
-        inputs = StepInputs([0] * tokens, [0] * tokens, [0] * tokens, [], starts, [past] * len(lengths), 0, blocks)
-        return runner._prefill_group(inputs, range(len(lengths)))
-
-    long, short = [TORCH_PREFILL_MIN_TOKENS, TORCH_PREFILL_MIN_TOKENS + 40], [30] * 4
-    for faster in (True, False):
-        runner.torch_prefill_for_long_segments = faster
-        assert (group(long, past=0).kernel_inputs is None) == faster
-        assert (group(long, past=400).kernel_inputs is None) == faster
-        assert group(short, past=400).kernel_inputs is not None

@@ -120,18 +120,3 @@ def test_start_up_log_names_the_family_and_dtype(monkeypatch, caplog, tiny_model
     assert expected in caplog.messages
     if kernels_built:
         assert loaded.model.fused_kernels.__name__ == module_name(cpu_isa.ISA_FAMILIES[1])
-
-
-@pytest.mark.parametrize("flags,dtype,kv_cache_dtype,expected", [
-    (SAPPHIRE_RAPIDS, torch.bfloat16, None, True),
-    (SAPPHIRE_RAPIDS, torch.bfloat16, "int8", False),  # the kernel reads the codes in place
-    (SAPPHIRE_RAPIDS, torch.float32, None, False),
-    (ZEN4, torch.bfloat16, None, False),
-])
-def test_prefill_runs_torchs_sdpa_where_amx_makes_it_faster(flags, dtype, kv_cache_dtype, expected):
-    from kvserve.cache.storage.kv_storage import allocate_kv_storage
-    from kvserve.model.cpu_kernels import torch_prefill_is_faster
-
-    cache = allocate_kv_storage(1, 2, 16, 1, 64, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
-                                kv_cache_dtype=kv_cache_dtype)[0]
-    assert torch_prefill_is_faster(dtype, cache, flags) == expected

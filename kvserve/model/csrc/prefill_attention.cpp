@@ -12,14 +12,18 @@
 //       V as [key pairs][head_dim][2 keys]: one load gives 16 dims of a key pair.
 //  2. attend: a task is a block of query rows (positions x the KV head's GQA group) that walks its causal key
 //     range in chunks with an online softmax (fp32 running max and sum, as flash attention does), so scratch
-//     stays in cache at any context length. Scores are fp32, probabilities bf16 for the PV product.
+//     stays in cache at any context length. Scores are fp32, probabilities bf16 for the PV product. On CPUs
+//     with AMX both products run on tiles (the packed layouts are already their right operands).
 // Segments and tasks are planned as for every prefill kernel (prefill_plan.h).
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
+#include "amx.h"
+#include "bf16_pairs.h"
 #include "kv_dequant.h"
 #include "prefill_plan.h"
 #include "simd.h"
@@ -51,13 +55,24 @@ inline void place_row(int64_t i, const uint16_t* k_row, const uint16_t* v_row, i
   for (int64_t d = 0; d < head_dim; ++d) v_pair[2 * d] = v_row[d];
 }
 
-// Copies keys [key_begin, key_begin + num_keys) of one KV head into the packed layouts.
+// Copies keys [key_begin, key_begin + num_keys) of one KV head into the packed layouts, a tile of 16 at a time.
 void pack_head(const Segment& seg, const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
                int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, uint16_t* k_packed, uint16_t* v_packed) {
-  for (int64_t i = 0; i < seg.num_keys; ++i) {
-    const int64_t slot = prefill::key_slot(seg, i, block_size);
-    place_row(i, k_cache + (slot * num_kv_heads + kv_head) * head_dim, v_cache + (slot * num_kv_heads + kv_head) * head_dim,
-              head_dim, k_packed, v_packed);
+  const uint16_t* k_rows[kKeyTile];
+  const uint16_t* v_rows[kKeyTile];
+  for (int64_t i0 = 0; i0 < seg.num_keys; i0 += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, seg.num_keys - i0);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t row = (prefill::key_slot(seg, i0 + j, block_size) * num_kv_heads + kv_head) * head_dim;
+      k_rows[j] = k_cache + row;
+      v_rows[j] = v_cache + row;
+    }
+    bf16_pairs::key_tile(k_rows, count, head_dim, reinterpret_cast<uint32_t*>(k_packed + i0 * head_dim), kKeyTile);
+    for (int64_t j = 0; j < count; j += 2) {
+      uint32_t* pair = reinterpret_cast<uint32_t*>(v_packed + (i0 + j) * head_dim);
+      for (int64_t d = 0; d < head_dim; d += 16)
+        _mm512_storeu_si512(pair + d, bf16_pairs::value_pairs(v_rows[j], j + 1 < count ? v_rows[j + 1] : nullptr, d));
+    }
   }
 }
 
@@ -146,10 +161,56 @@ void dispatch_rows(int rows, Args&&... args) {
 template <int kRows> struct QK { template <typename... A> static void run(A&&... a) { qk_rows<kRows>(a...); } };
 template <int kRows> struct PV { template <typename... A> static void run(A&&... a) { pv_slices<kRows>(a...); } };
 
+#if defined(KVSERVE_AMX)
+// On CPUs with AMX both products run on tiles, 16 query rows at a time (q copied into dense rows, padded with
+// zero rows): the packed K tiles above are already a tile product's right operand ([dim pairs][16 keys]), and so
+// are 16 V pairs of 16 dims ([key pairs][dims][2 keys], rows 2 x head_dim apart). Tiles: 0 the result, 1 the
+// left operand, 2 the right one.
+__attribute__((target("amx-tile,amx-bf16"))) void qk_tiles(const uint16_t* q_dense, int64_t padded_rows,
+                                                             const uint16_t* k_tiles, int64_t num_tiles,
+                                                             int64_t head_dim, float* scores, int64_t stride) {
+  const amx::TileConfig config(3);
+  _tile_loadconfig(&config);
+  for (int64_t r0 = 0; r0 < padded_rows; r0 += amx::kTileRows)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < head_dim / amx::kTileValues; ++c) {
+        _tile_loadd(1, q_dense + r0 * head_dim + c * amx::kTileValues, head_dim * 2);
+        _tile_loadd(2, k_tiles + t * kKeyTile * head_dim + c * amx::kTileValues * kKeyTile, 2 * kKeyTile * 2);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, scores + r0 * stride + t * kKeyTile, stride * 4);
+    }
+  _tile_release();
+}
+
+// acc[rows][head_dim] += probs [rows x key pairs] . V pairs, over num_pairs (a multiple of 16: the probabilities
+// past the chunk's keys are zero, the packed buffer holds whole chunks).
+__attribute__((target("amx-tile,amx-bf16"))) void pv_tiles(const uint32_t* probs, int64_t probs_stride,
+                                                             int64_t padded_rows, const uint16_t* v_pairs,
+                                                             int64_t num_pairs, int64_t head_dim, float* acc) {
+  const amx::TileConfig config(3);
+  _tile_loadconfig(&config);
+  for (int64_t r0 = 0; r0 < padded_rows; r0 += amx::kTileRows)
+    for (int64_t c = 0; c < head_dim / 16; ++c) {
+      float* out = acc + r0 * head_dim + c * 16;
+      _tile_loadd(0, out, head_dim * 4);
+      for (int64_t jp = 0; jp < num_pairs; jp += 16) {
+        _tile_loadd(1, probs + r0 * probs_stride + jp, probs_stride * 4);
+        _tile_loadd(2, v_pairs + jp * 2 * head_dim + c * 32, head_dim * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, out, head_dim * 4);
+    }
+  _tile_release();
+}
+#endif
+
 struct Scratch {
   std::vector<float> scores, acc, row_max, row_sum;
   std::vector<uint32_t> probs;  // bf16 pairs
   std::vector<const uint32_t*> q_rows;
+  std::vector<uint16_t> q_dense;  // AMX: the task's query rows, dense and padded to whole tiles
 };
 
 // One task: query positions [first, first + count) of a segment, for the query heads of one KV head.
@@ -158,9 +219,15 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
                   Scratch& s) {
   const int64_t group = shape.group, head_dim = shape.head_dim, rows = count * group;
   const int64_t stride = kChunk;
-  s.scores.resize(rows * stride);
-  s.probs.resize(rows * stride / 2);
-  s.acc.assign(rows * head_dim, 0.f);
+#if defined(KVSERVE_AMX)
+  const bool tiles = amx::ready();
+#else
+  constexpr bool tiles = false;
+#endif
+  const int64_t padded_rows = tiles ? (rows + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows : rows;
+  s.scores.resize(padded_rows * stride);
+  s.probs.resize(padded_rows * stride / 2);
+  s.acc.assign(padded_rows * head_dim, 0.f);
   s.row_max.assign(rows, kNoScore);
   s.row_sum.assign(rows, 0.f);
   s.q_rows.resize(rows);
@@ -168,6 +235,12 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
     const int64_t token = seg.token_start + first + r / group;
     const int64_t head = kv_head * group + r % group;
     s.q_rows[r] = reinterpret_cast<const uint32_t*>(q + token * shape.q_stride + head * head_dim);
+  }
+  if (tiles) {
+    s.q_dense.assign(padded_rows * head_dim, 0);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(s.q_dense.data() + r * head_dim, s.q_rows[r], head_dim * sizeof(uint16_t));
+    std::fill(s.probs.begin() + rows * stride / 2, s.probs.end(), 0u);  // padding rows weigh nothing
   }
   // Causal range of the block: up to its last position; from the window start of its first position.
   const int64_t first_pos = seg.num_past + first, end_pos = seg.num_past + first + count;
@@ -180,7 +253,10 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
     const int64_t num_keys = std::min(kChunk, end_pos - chunk);
     const int64_t num_tiles = (num_keys + kKeyTile - 1) / kKeyTile;
     const uint16_t* k_tiles = k_packed + (chunk - seg.key_begin) * head_dim;
-    for (int64_t r = 0; r < rows; r += kQKRows)
+#if defined(KVSERVE_AMX)
+    if (tiles) qk_tiles(s.q_dense.data(), padded_rows, k_tiles, num_tiles, head_dim, s.scores.data(), stride);
+#endif
+    for (int64_t r = 0; r < rows && !tiles; r += kQKRows)
       dispatch_rows<kQKRows, QK>(static_cast<int>(std::min<int64_t>(kQKRows, rows - r)), s.q_rows.data() + r,
                                  k_tiles, num_tiles, head_dim, s.scores.data() + r * stride, stride);
     // Online softmax: rescale each row's running sum and output by e^(old max - new max).
@@ -210,6 +286,7 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
         sum_v = _mm512_add_ps(sum_v, p);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)_mm512_cvtneps_pbh(p));
       }
+      if (tiles && num_tiles % 2) _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + num_tiles), _mm256_setzero_si256());
       const float correction = old_max == new_max ? 1.f : std::exp(old_max - new_max);
       s.row_sum[r] = s.row_sum[r] * correction + _mm512_reduce_add_ps(sum_v);
       s.row_max[r] = new_max;
@@ -220,7 +297,11 @@ void attend_block(const Segment& seg, int64_t kv_head, int64_t first, int64_t co
     }
     const int64_t num_pairs = num_tiles * kKeyTile / 2;
     const uint16_t* v_pairs = v_packed + (chunk - seg.key_begin) * head_dim;
-    for (int64_t r = 0; r < rows; r += kPVRows)
+#if defined(KVSERVE_AMX)
+    if (tiles)  // key pairs in whole tiles of 16: an odd tile of keys was followed by zero probabilities above
+      pv_tiles(s.probs.data(), stride / 2, padded_rows, v_pairs, (num_pairs + 15) / 16 * 16, head_dim, s.acc.data());
+#endif
+    for (int64_t r = 0; r < rows && !tiles; r += kPVRows)
       dispatch_rows<kPVRows, PV>(static_cast<int>(std::min<int64_t>(kPVRows, rows - r)),
                                  s.probs.data() + r * stride / 2, stride / 2, v_pairs, num_pairs, head_dim,
                                  s.acc.data() + r * head_dim, head_dim);

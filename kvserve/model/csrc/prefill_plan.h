@@ -119,15 +119,23 @@ void pack_and_attend(const Shape& shape, const torch::Tensor& block_tables, cons
   int64_t packed_size = 0;  // per KV head
   const std::vector<Segment> segments = plan_segments(block_tables, query_starts, num_past, shape.block_size,
                                                       shape.head_dim, shape.sliding_window, chunk, packed_size);
-  auto k_packed = torch::zeros({num_kv_heads, packed_size}, options);
-  auto v_packed = torch::zeros({num_kv_heads, packed_size}, options);
+  auto k_packed = torch::empty({num_kv_heads, packed_size}, options);
+  auto v_packed = torch::empty({num_kv_heads, packed_size}, options);
   elem_t* kp = reinterpret_cast<elem_t*>(k_packed.data_ptr());
   elem_t* vp = reinterpret_cast<elem_t*>(v_packed.data_ptr());
   const std::vector<Task> tasks = plan_tasks(segments, num_kv_heads, shape.group, rows_target);
   run<Scratch>(
       segments, tasks, num_kv_heads,
       [&](const Segment& seg, int64_t h) {
-        pack(seg, h, kp + h * packed_size + seg.packed_offset, vp + h * packed_size + seg.packed_offset);
+        elem_t* k = kp + h * packed_size + seg.packed_offset;
+        elem_t* v = vp + h * packed_size + seg.packed_offset;
+        // What tiles read past the keys must be zero: from the last tile that is not full (16 keys or fewer
+        // each, head_dim elements a key in both layouts) to the padded end; the pack writes the rest.
+        const int64_t tail = seg.num_keys / 16 * 16 * shape.head_dim;
+        const int64_t end = (seg.num_keys + chunk - 1) / chunk * chunk * shape.head_dim;
+        std::fill(k + tail, k + end, elem_t(0));
+        std::fill(v + tail, v + end, elem_t(0));
+        pack(seg, h, k, v);
       },
       [&](const Task& t, const Segment& seg, Scratch& scratch) {
         attend(t, seg, kp + t.kv_head * packed_size + seg.packed_offset, vp + t.kv_head * packed_size + seg.packed_offset,

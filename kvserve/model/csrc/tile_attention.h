@@ -12,6 +12,7 @@
 #pragma once
 
 #include "amx.h"
+#include "bf16_pairs.h"
 #include "simd.h"
 
 #if defined(KVSERVE_AMX)
@@ -38,15 +39,11 @@ struct Scratch {
 // keys[tile j][dim chunk c][pair i][token tt] = dims (32c + 2i, 32c + 2i + 1) of token 16j + tt; zeros past count.
 inline void pack_keys(const at::BFloat16* cache, const int64_t* offsets, int64_t count, int64_t padded,
                       int64_t head_dim, uint32_t* keys) {
-  const int64_t chunks = head_dim / amx::kTileValues;
-  for (int64_t t = 0; t < padded; ++t) {
-    uint32_t* tile = keys + (t / 16) * chunks * 256 + t % 16;
-    if (t >= count) {
-      for (int64_t k = 0; k < chunks * 16; ++k) tile[k * 16] = 0;
-      continue;
-    }
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(cache + offsets[t]);
-    for (int64_t k = 0; k < chunks * 16; ++k) tile[k * 16] = pairs[k];
+  const uint16_t* rows[16];
+  for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+    const int64_t real = std::clamp<int64_t>(count - t0, 0, 16);
+    for (int64_t j = 0; j < real; ++j) rows[j] = reinterpret_cast<const uint16_t*>(cache + offsets[t0 + j]);
+    bf16_pairs::key_tile(rows, real, head_dim, keys + t0 * head_dim / 2, 16);
   }
 }
 
@@ -54,17 +51,12 @@ inline void pack_keys(const at::BFloat16* cache, const int64_t* offsets, int64_t
 inline void pack_values(const at::BFloat16* cache, const int64_t* offsets, int64_t count, int64_t padded,
                         int64_t head_dim, uint32_t* values) {
   const int64_t chunks = head_dim / 16;
-  const __m256i zero = _mm256_setzero_si256();
+  auto row = [&](int64_t t) { return t < count ? reinterpret_cast<const uint16_t*>(cache + offsets[t]) : nullptr; };
   for (int64_t t = 0; t < padded; t += 2) {
-    const at::BFloat16* even = t < count ? cache + offsets[t] : nullptr;
-    const at::BFloat16* odd = t + 1 < count ? cache + offsets[t + 1] : nullptr;
+    const uint16_t *even = row(t), *odd = row(t + 1);
     uint32_t* tile = values + (t / 32) * chunks * 256 + (t % 32) / 2 * 16;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256i a = even ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + 16 * c)) : zero;
-      const __m256i b = odd ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + 16 * c)) : zero;
-      const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-      _mm512_storeu_si512(tile + c * 256, pairs);
-    }
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_si512(tile + c * 256, even ? bf16_pairs::value_pairs(even, odd, 16 * c) : _mm512_setzero_si512());
   }
 }
 
