@@ -7,8 +7,9 @@
 //   weights unpacked in registers and multiplied by integer dot products, as llama.cpp does.
 // - More rows (batched decode, prefill): chunks of weight rows decoded into x's dtype, a cache's worth at a
 //   time, and multiplied by torch's matmul: the same arithmetic as a dequantized weight's matmul, without ever
-//   holding the whole weight dequantized. On CPUs with AMX, 9 to 48 rows of bf16 x (a batched decode step)
-//   multiply 16 weight rows at a time, decoded into a tile in L1, with AMX's tile products instead.
+//   holding the whole weight dequantized. On CPUs with AMX, bf16 x takes AMX's tile products instead: 9 to 48
+//   rows (a batched decode step) multiply 16 weight rows at a time, decoded into a tile in L1; more rows
+//   (prefill) multiply panels of 32 weight rows decoded once per call into L2.
 //
 // A 16-bit or fp32 weight (ggml's F16, BF16, F32: a checkpoint's plain rows) is held once and read here too: up
 // to 8 rows by small_batch_linear's walk, 9 to 48 rows of bf16 x on AMX tiles as above, more rows by torch's
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "bf16_pairs.h"
 #include "simd.h"
 
 namespace {
@@ -841,6 +843,122 @@ void amx_gemm(const torch::Tensor& x, const Problem& p, const torch::Tensor& out
     else amx_weight_tiles<Type>(p, pairs.data(), Mp, t0, t1, out.data_ptr<float>());
   });
 }
+
+// Prefill-sized batches (more than kAmxMaxRows rows of bf16 x) on AMX: weight rows are decoded once per call,
+// 32 at a time, into panels laid out as the tile product's right operand ([value pairs][16 weight rows], a
+// transpose of 32-bit pairs); a thread decodes a group of panels that stays in L2, then takes x 32 rows at a
+// time, read in place as the left operand, across the whole group. Results come out [x rows][weight rows], in
+// out's order. The arithmetic is the slices' (weights rounded to bf16, fp32 sums, one rounding).
+constexpr int64_t kPanelRows = 32;              // weight rows per panel: two right tiles, four products per step
+constexpr int64_t kPanelGroupBytes = 1 << 20;   // decoded panels a thread keeps at a time (L2 holds 2 MiB)
+
+// Weight rows [n0, n0 + rows) (rows <= 32; the rest zero) as a panel: panel[step][half] is a tile of value pairs
+// [2 x 16 values of step][16 weight rows of half].
+template <int64_t Type>
+void decode_panel(const Problem& p, int64_t n0, int64_t rows, std::vector<at::BFloat16>& decoded, uint32_t* panel) {
+  decoded.resize(kPanelRows * p.K);
+  for (int64_t r = 0; r < rows; ++r) decode_row<Type>(p.w + (n0 + r) * p.row_bytes, p.K, decoded.data() + r * p.K);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(decoded.data());
+  for (int64_t s = 0; s < p.K / kAmxTileValues; ++s)
+    for (int64_t half = 0; half < 2; ++half) {
+      const uint16_t* tile_rows[16];
+      const int64_t real = std::clamp<int64_t>(rows - 16 * half, 0, 16);
+      for (int64_t j = 0; j < real; ++j) tile_rows[j] = bits + (16 * half + j) * p.K + s * kAmxTileValues;
+      bf16_pairs::key_tile(tile_rows, real, kAmxTileValues, panel + (s * 2 + half) * 256, 16);
+    }
+}
+
+// out[m, n + j] = values[j] (+ bias) for j < count (at most 16), rounded as store() rounds.
+template <typename out_t>
+inline void store16(out_t* out, const Problem& p, int64_t m, int64_t n, const float* values, int64_t count) {
+  const __mmask16 mask = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+  __m512 v = _mm512_maskz_loadu_ps(mask, values);
+  if (p.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.bias + n));
+  out_t* dst = out + m * p.out_stride + p.out_col + n;
+  if constexpr (std::is_same_v<out_t, float>) _mm512_mask_storeu_ps(dst, mask, v);
+  else _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// Every 32 rows of x times panels [0, num_panels) (the first at weight row n0). Tiles: 0-3 results (x tile a,
+// weight half b at 2a + b), 4 and 5 x's rows, 6 and 7 the panel's halves.
+template <typename out_t>
+__attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline)) void amx_panel_products(
+    const Problem& p, const at::BFloat16* x, const std::vector<at::BFloat16>& x_tail, const uint32_t* panels,
+    int64_t num_panels, int64_t n0, out_t* out) {
+  const amx::TileConfig config(8);
+  _tile_loadconfig(&config);
+  alignas(64) float result[kAmxTileRows][kAmxTileRows];
+  const int64_t steps = p.K / kAmxTileValues, full_tiles = p.M / kAmxTileRows;
+  const int64_t x_tiles = (p.M + kAmxTileRows - 1) / kAmxTileRows;
+  // x tile t's rows: x in place, or the last tile's few rows copied into x_tail (padded with zeros).
+  auto x_rows = [&](int64_t t) { return t < full_tiles ? x + t * kAmxTileRows * p.K : x_tail.data(); };
+  for (int64_t t = 0; t < x_tiles; t += 2) {
+    const bool pair = t + 1 < x_tiles;
+    const at::BFloat16* a0 = x_rows(t);
+    const at::BFloat16* a1 = pair ? x_rows(t + 1) : nullptr;
+    for (int64_t g = 0; g < num_panels; ++g) {
+      const uint32_t* panel = panels + g * steps * 512;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s) {
+        _tile_loadd(6, panel + s * 512, 64);
+        _tile_loadd(7, panel + s * 512 + 256, 64);
+        _tile_loadd(4, a0 + s * kAmxTileValues, p.K * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (pair) {
+          _tile_loadd(5, a1 + s * kAmxTileValues, p.K * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      const int64_t panel_n0 = n0 + g * kPanelRows;
+      for (int64_t c = 0; c < (pair ? 4 : 2); ++c) {
+        switch (c) {  // tile registers are named by constants
+          case 0: _tile_stored(0, result, 64); break;
+          case 1: _tile_stored(1, result, 64); break;
+          case 2: _tile_stored(2, result, 64); break;
+          default: _tile_stored(3, result, 64); break;
+        }
+        const int64_t m0 = (t + c / 2) * kAmxTileRows, n = panel_n0 + (c % 2) * kAmxTileRows;
+        const int64_t count = std::min<int64_t>(kAmxTileRows, p.N - n);
+        for (int64_t i = 0; i < std::min(kAmxTileRows, p.M - m0) && count > 0; ++i)
+          store16(out, p, m0 + i, n, result[i], count);
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <int64_t Type>
+void amx_panel_gemm(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  std::vector<at::BFloat16> x_tail(kAmxTileRows * p.K, at::BFloat16(0.f));
+  const int64_t tail_rows = p.M % kAmxTileRows;
+  std::copy_n(xp + (p.M - tail_rows) * p.K, tail_rows * p.K, x_tail.data());
+  const int64_t panel_words = p.K / kAmxTileValues * 512, num_panels = (p.N + kPanelRows - 1) / kPanelRows;
+  // Groups of at most kPanelGroupBytes, as many as a multiple of the threads, so each takes the same share.
+  const int64_t threads = at::get_num_threads(), most = std::max<int64_t>(1, kPanelGroupBytes / (panel_words * 4));
+  const int64_t groups = ((num_panels + most - 1) / most + threads - 1) / threads * threads;
+  const int64_t per_group = (num_panels + groups - 1) / groups;
+  at::parallel_for(0, (num_panels + per_group - 1) / per_group, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<at::BFloat16> decoded;
+    std::vector<uint32_t> panels(per_group * panel_words);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t first = g * per_group, count = std::min(per_group, num_panels - first);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t n0 = (first + i) * kPanelRows;
+        decode_panel<Type>(p, n0, std::min(kPanelRows, p.N - n0), decoded, panels.data() + i * panel_words);
+      }
+      if (out.scalar_type() == torch::kBFloat16)
+        amx_panel_products(p, xp, x_tail, panels.data(), count, first * kPanelRows, out.data_ptr<at::BFloat16>());
+      else
+        amx_panel_products(p, xp, x_tail, panels.data(), count, first * kPanelRows, out.data_ptr<float>());
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -870,6 +988,8 @@ template <int64_t Type>
 void run_type(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
 #if defined(KVSERVE_AMX)
   if (uses_amx<Type>(x, p)) return amx_gemm<Type>(x, p, out);
+  if (p.M > kAmxMaxRows && x.scalar_type() == torch::kBFloat16 && p.K % kAmxTileValues == 0 && amx::ready())
+    return amx_panel_gemm<Type>(x, p, out);
 #endif
   if (p.M > kMaxWalkRows) return gemm_slices<Type>(x, p, out);
   auto go = [&](const auto* xp) {
