@@ -22,6 +22,7 @@ from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, P
 
 logger = logging.getLogger("kvserve.engine")
 
+
 @dataclass(slots=True)
 class StepLogits:
     sampling: list[ScheduledRequest]

@@ -88,8 +88,8 @@ def test_shared_prefix_decode_matches_dense_attention(isa, dtype, cache_dtype, h
 
 
 # Many members: a shared part's query rows (members x GQA group) fill several 16-row tiles, which bf16 queries
-# over a bf16 cache multiply on AMX tiles where the CPU has them; the 656-token prefix spans two of its 512-token
-# chunks, and 21 rows (7 x 3) leave a tile part empty.
+# over a bf16 cache multiply on AMX tiles where the CPU has them; the 656-token prefix is split into parts of at
+# most 512 tokens (the plan's cap for tile parts), and 21 rows (7 x 3) leave a tile part empty.
 MANY_MEMBERS = [([660 + 7 * i for i in range(24)], 41), ([700, 657, 690, 701, 680, 666, 699], 41)]
 
 

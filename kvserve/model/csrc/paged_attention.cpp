@@ -1184,8 +1184,13 @@ torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, co
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window, 0,
-                                   shared);
+  int64_t max_part_tokens = 0;
+#if defined(KVSERVE_AMX)
+  if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>)
+    max_part_tokens = tile_attention::kMaxPartTokens;  // what a part on tiles lays out must stay in L2
+#endif
+  const PartPlan plan = plan_parts(context_lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, sliding_window,
+                                   max_part_tokens, shared);
   const auto task_fn = decode_task_for<q_t, cache_t>(head_dim);
   run_parts(plan, num_seqs, num_kv_heads, group, head_dim, q.data_ptr<q_t>(), out.data_ptr<q_t>(),
             [&](const Part& part, const q_t* rows, int64_t num_rows, float* partial, auto& scores, auto& qf,

@@ -45,14 +45,16 @@ constexpr float kNoScore = -1e30f;   // not -inf: the kernels are built with -ff
 
 inline __m512bh as_bf16_pairs(__m512i x) { return (__m512bh)x; }
 
-// Key i's bf16 row into the packed K tiles and V pairs; padding stays zero.
-inline void place_row(int64_t i, const uint16_t* k_row, const uint16_t* v_row, int64_t head_dim, uint16_t* k_packed,
-                      uint16_t* v_packed) {
-  uint32_t* tile = reinterpret_cast<uint32_t*>(k_packed + (i / kKeyTile) * kKeyTile * head_dim);
-  const uint32_t* k_pairs = reinterpret_cast<const uint32_t*>(k_row);
-  for (int64_t dp = 0; dp < head_dim / 2; ++dp) tile[dp * kKeyTile + i % kKeyTile] = k_pairs[dp];
-  uint16_t* v_pair = v_packed + (i / 2) * 2 * head_dim + i % 2;
-  for (int64_t d = 0; d < head_dim; ++d) v_pair[2 * d] = v_row[d];
+// Keys [i0, i0 + count) (count <= 16) from their bf16 rows into the packed layouts: one K tile, and the V pairs
+// (a last odd key's pair with zeros).
+inline void pack_tile(const uint16_t* const* k_rows, const uint16_t* const* v_rows, int64_t i0, int64_t count,
+                      int64_t head_dim, uint16_t* k_packed, uint16_t* v_packed) {
+  bf16_pairs::key_tile(k_rows, count, head_dim, reinterpret_cast<uint32_t*>(k_packed + i0 * head_dim), kKeyTile);
+  for (int64_t j = 0; j < count; j += 2) {
+    uint32_t* pair = reinterpret_cast<uint32_t*>(v_packed + (i0 + j) * head_dim);
+    for (int64_t d = 0; d < head_dim; d += 16)
+      _mm512_storeu_si512(pair + d, bf16_pairs::value_pairs(v_rows[j], j + 1 < count ? v_rows[j + 1] : nullptr, d));
+  }
 }
 
 // Copies keys [key_begin, key_begin + num_keys) of one KV head into the packed layouts, a tile of 16 at a time.
@@ -67,12 +69,7 @@ void pack_head(const Segment& seg, const uint16_t* k_cache, const uint16_t* v_ca
       k_rows[j] = k_cache + row;
       v_rows[j] = v_cache + row;
     }
-    bf16_pairs::key_tile(k_rows, count, head_dim, reinterpret_cast<uint32_t*>(k_packed + i0 * head_dim), kKeyTile);
-    for (int64_t j = 0; j < count; j += 2) {
-      uint32_t* pair = reinterpret_cast<uint32_t*>(v_packed + (i0 + j) * head_dim);
-      for (int64_t d = 0; d < head_dim; d += 16)
-        _mm512_storeu_si512(pair + d, bf16_pairs::value_pairs(v_rows[j], j + 1 < count ? v_rows[j + 1] : nullptr, d));
-    }
+    pack_tile(k_rows, v_rows, i0, count, head_dim, k_packed, v_packed);
   }
 }
 
@@ -80,16 +77,23 @@ void pack_head(const Segment& seg, const uint16_t* k_cache, const uint16_t* v_ca
 void pack_head_quantized(const Segment& seg, const kvq::Source& keys, const kvq::Source& values, int64_t block_size,
                          int64_t kv_head, int64_t head_dim, uint16_t* k_packed, uint16_t* v_packed) {
   std::vector<float> k_row(head_dim), v_row(head_dim);
-  std::vector<uint16_t> k_bits(head_dim), v_bits(head_dim);
-  for (int64_t i = 0; i < seg.num_keys; ++i) {
-    const int64_t slot = prefill::key_slot(seg, i, block_size);
-    keys.decode(slot, kv_head, k_row.data());
-    values.decode(slot, kv_head, v_row.data());
-    for (int64_t d = 0; d < head_dim; ++d) {
-      k_bits[d] = c10::BFloat16(k_row[d]).x;
-      v_bits[d] = c10::BFloat16(v_row[d]).x;
+  std::vector<uint16_t> k_bits(kKeyTile * head_dim), v_bits(kKeyTile * head_dim);
+  const uint16_t* k_rows[kKeyTile];
+  const uint16_t* v_rows[kKeyTile];
+  for (int64_t i0 = 0; i0 < seg.num_keys; i0 += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, seg.num_keys - i0);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t slot = prefill::key_slot(seg, i0 + j, block_size);
+      keys.decode(slot, kv_head, k_row.data());
+      values.decode(slot, kv_head, v_row.data());
+      for (int64_t d = 0; d < head_dim; ++d) {
+        k_bits[j * head_dim + d] = c10::BFloat16(k_row[d]).x;
+        v_bits[j * head_dim + d] = c10::BFloat16(v_row[d]).x;
+      }
+      k_rows[j] = k_bits.data() + j * head_dim;
+      v_rows[j] = v_bits.data() + j * head_dim;
     }
-    place_row(i, k_bits.data(), v_bits.data(), head_dim, k_packed, v_packed);
+    pack_tile(k_rows, v_rows, i0, count, head_dim, k_packed, v_packed);
   }
 }
 

@@ -656,7 +656,7 @@ __attribute__((always_inline)) inline void decode_block(const uint8_t* block, ou
     groups_of<Type>(block, [&](int g, __m256i u, float a0, float a1, float c0, float c1) __attribute__((always_inline)) {
 #if defined(__AVX512BF16__)
       if constexpr (kLookupDecode<Type> && std::is_same_v<out_t, at::BFloat16>)
-        return decode_by_lookup(u, a0, c0, y);
+        return decode_by_lookup(u, a0, c0, y + 32 * g);  // g is 0: one group of 32 a block
 #endif
       decode16<kSigned<Type>>(_mm256_castsi256_si128(u), a0, c0, y + 32 * g);
       decode16<kSigned<Type>>(_mm256_extracti128_si256(u, 1), a1, c1, y + 32 * g + 16);

@@ -3,7 +3,7 @@
 // code is bound by its multiply-adds, not by the bytes read.
 //
 // The keys and values are read in place through the block table and laid out in L1/L2 as the tile products'
-// right operands (pairs of bf16 along the summed dimension), a chunk of tokens at a time:
+// right operands (pairs of bf16 along the summed dimension), a part of at most kMaxPartTokens at a time:
 //   scores [16 rows x 16 tokens] = q rows [16 x 32 dims] . key pairs [16 dim pairs x 16 tokens], over the dims;
 //   sums   [16 rows x 16 dims]   = probabilities [16 x 32 tokens] . value pairs [16 token pairs x 16 dims].
 // Scores are fp32 sums of exact bf16 products (as vdpbf16ps gives the vector path); softmax is fp32; each
@@ -26,12 +26,14 @@
 namespace tile_attention {
 
 constexpr int64_t kMinRows = 16;       // fewer query rows than one tile's stay on the vector path
-constexpr int64_t kChunkTokens = 512;  // tokens laid out at a time: K and V pairs of 256 dims stay within L2
+// The longest part the decode plan gives a task here (its max_part_tokens): K and V laid out for 512 tokens of 256
+// dims stay within L2.
+constexpr int64_t kMaxPartTokens = 512;
 
 struct Scratch {
-  std::vector<uint32_t> keys, values;  // the chunk's K and V as tiles' right operands
-  std::vector<float> scores, sums;     // one row block's [16 x chunk rounded up to 32] scores, [16 x head_dim] sums
-  std::vector<at::BFloat16> high, low; // its probabilities, [16 x chunk rounded up to 32], as two bf16 terms
+  std::vector<uint32_t> keys, values;  // the part's K and V as tiles' right operands
+  std::vector<float> scores, sums;     // one row block's [16 x part rounded up to 32] scores, [16 x head_dim] sums
+  std::vector<at::BFloat16> high, low; // its probabilities, [16 x part rounded up to 32], as two bf16 terms
   std::vector<at::BFloat16> q;         // a last row block padded to 16 rows
   std::vector<int64_t> offsets;        // each token's row in the caches
 };
@@ -87,26 +89,8 @@ inline void softmax_row(const float* scores, int64_t count, int64_t padded, floa
   *row_sum = _mm512_reduce_add_ps(sum_v);
 }
 
-// Folds a chunk's result for `rows` rows into the part's running one (the first chunk's is copied).
-inline void merge_chunk(const float* sums, const float* maxima, const float* totals, int64_t rows, int64_t head_dim,
-                        bool first, float* out_sums, float* out_maxima, float* out_totals) {
-  for (int64_t r = 0; r < rows; ++r) {
-    if (first) {
-      std::copy_n(sums + r * head_dim, head_dim, out_sums + r * head_dim);
-      out_maxima[r] = maxima[r], out_totals[r] = totals[r];
-      continue;
-    }
-    const float top = std::max(out_maxima[r], maxima[r]);
-    const float old_weight = std::exp(out_maxima[r] - top), new_weight = std::exp(maxima[r] - top);
-    for (int64_t d = 0; d < head_dim; ++d)
-      out_sums[r * head_dim + d] = out_sums[r * head_dim + d] * old_weight + sums[r * head_dim + d] * new_weight;
-    out_totals[r] = out_totals[r] * old_weight + totals[r] * new_weight;
-    out_maxima[r] = top;
-  }
-}
-
 // Tiles: 0 the result, 1 and 3 left operands, 2 the right one.
-__attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline)) inline void attend_chunk(
+__attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline)) inline void attend_part(
     const at::BFloat16* q, int64_t rows, int64_t head_dim, int64_t count, float scale, Scratch& s, float* maxima,
     float* totals) {
   const int64_t padded16 = (count + 15) / 16 * 16, padded32 = (count + 31) / 32 * 32;
@@ -151,40 +135,37 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void attend_rows(
     const at::BFloat16* q, int64_t num_rows, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
     const int64_t* table, int64_t block_size, int64_t num_kv_heads, int64_t kv_head, int64_t head_dim, int64_t first,
     int64_t end, float scale, float* partial) {
+  TORCH_INTERNAL_ASSERT(end - first <= kMaxPartTokens, "the plan caps a tile task's tokens");
   thread_local Scratch s;
-  float* out_maxima = partial + num_rows * head_dim;
-  float* out_totals = out_maxima + num_rows;
+  const int64_t count = end - first;
+  const int64_t padded16 = (count + 15) / 16 * 16, padded32 = (count + 31) / 32 * 32;
+  s.offsets.resize(count);
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t pos = first + t;
+    s.offsets[t] = ((table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + kv_head) * head_dim;
+  }
+  s.keys.resize(padded16 * head_dim / 2);
+  s.values.resize(padded32 * head_dim / 2);
+  s.scores.resize(amx::kTileRows * padded32);
+  s.sums.resize(amx::kTileRows * head_dim);
+  s.high.resize(amx::kTileRows * padded32);
+  s.low.resize(amx::kTileRows * padded32);
+  pack_keys(k_cache, s.offsets.data(), count, padded16, head_dim, s.keys.data());
+  pack_values(v_cache, s.offsets.data(), count, padded32, head_dim, s.values.data());
+  float* maxima = partial + num_rows * head_dim;
+  float* totals = maxima + num_rows;
   const amx::TileConfig config(4);
   _tile_loadconfig(&config);
-  for (int64_t t0 = first; t0 < end; t0 += kChunkTokens) {
-    const int64_t count = std::min(kChunkTokens, end - t0);
-    const int64_t padded16 = (count + 15) / 16 * 16, padded32 = (count + 31) / 32 * 32;
-    s.offsets.resize(count);
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t pos = t0 + t;
-      s.offsets[t] = ((table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + kv_head) * head_dim;
+  for (int64_t r0 = 0; r0 < num_rows; r0 += amx::kTileRows) {
+    const int64_t rows = std::min(amx::kTileRows, num_rows - r0);
+    const at::BFloat16* rows_q = q + r0 * head_dim;
+    if (rows < amx::kTileRows) {
+      s.q.assign(amx::kTileRows * head_dim, at::BFloat16(0.f));
+      std::copy_n(rows_q, rows * head_dim, s.q.data());
+      rows_q = s.q.data();
     }
-    s.keys.resize(padded16 * head_dim / 2);
-    s.values.resize(padded32 * head_dim / 2);
-    s.scores.resize(amx::kTileRows * padded32);
-    s.sums.resize(amx::kTileRows * head_dim);
-    s.high.resize(amx::kTileRows * padded32);
-    s.low.resize(amx::kTileRows * padded32);
-    pack_keys(k_cache, s.offsets.data(), count, padded16, head_dim, s.keys.data());
-    pack_values(v_cache, s.offsets.data(), count, padded32, head_dim, s.values.data());
-    for (int64_t r0 = 0; r0 < num_rows; r0 += amx::kTileRows) {
-      const int64_t rows = std::min(amx::kTileRows, num_rows - r0);
-      const at::BFloat16* rows_q = q + r0 * head_dim;
-      if (rows < amx::kTileRows) {
-        s.q.assign(amx::kTileRows * head_dim, at::BFloat16(0.f));
-        std::copy_n(rows_q, rows * head_dim, s.q.data());
-        rows_q = s.q.data();
-      }
-      alignas(64) float maxima[amx::kTileRows], totals[amx::kTileRows];
-      attend_chunk(rows_q, rows, head_dim, count, scale, s, maxima, totals);
-      merge_chunk(s.sums.data(), maxima, totals, rows, head_dim, t0 == first, partial + r0 * head_dim,
-                  out_maxima + r0, out_totals + r0);
-    }
+    attend_part(rows_q, rows, head_dim, count, scale, s, maxima + r0, totals + r0);
+    std::copy_n(s.sums.data(), rows * head_dim, partial + r0 * head_dim);
   }
   _tile_release();
 }
