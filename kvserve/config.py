@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.planner.kv import KV_CACHE_DTYPES
+from kvserve.planner.specs import sliding_window_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -44,9 +45,14 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     sliding_window: int | None = None
+    windowed_layers: tuple[int, ...] = ()  # the layers that attend over `sliding_window` tokens (the rest: all)
     torch_dtype: str | None = None  # the checkpoint's own dtype name, for --dtype auto
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """The sliding window of one layer, or None where it attends over the whole context."""
+        return self.sliding_window if layer_index in self.windowed_layers else None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -62,6 +68,9 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_layers = int(cfg["num_hidden_layers"])
+        window, windowed = sliding_window_layers(cfg, str(cfg.get("model_type") or ""), num_layers,
+                                                 int(cfg.get("max_position_embeddings", 4096)))
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         return cls(
@@ -69,7 +78,7 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -79,7 +88,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             rope_scaling=_parse_rope_scaling(cfg, source),
-            sliding_window=_sliding_window(cfg),
+            sliding_window=window,
+            windowed_layers=windowed,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -110,13 +120,6 @@ def _parse_rope_scaling(cfg: dict[str, Any], source: str) -> RopeScaling:
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
     )
-
-
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    window = cfg.get("sliding_window")
-    if window is None or cfg.get("use_sliding_window") is False:
-        return None
-    return int(window)
 
 
 @dataclass(slots=True)

@@ -40,13 +40,14 @@ class AttentionMetadata:
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,
+                 scale: float | None = None) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
 
     def forward(

@@ -19,7 +19,7 @@ from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, all_reduce, 
 
 class SelfAttention(torch.nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL,
-                 weight_dtype: torch.dtype | None = None) -> None:
+                 weight_dtype: torch.dtype | None = None, layer_index: int = 0) -> None:
         super().__init__()
         self.shard = shard
         self.num_heads, self.num_kv_heads = shard.heads(config)  # this rank's share (all of them at TP 1)
@@ -31,7 +31,7 @@ class SelfAttention(torch.nn.Module):
         self.qkv_proj = empty_parameter(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=weight_dtype)
         self.qkv_bias = empty_parameter(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
         self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=weight_dtype)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.layer_window(layer_index))
 
     def forward(self, x: torch.Tensor, step: "ForwardStep", kv_cache: object | None) -> torch.Tensor:
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
@@ -52,11 +52,11 @@ class SelfAttention(torch.nn.Module):
 
 class DecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL,
-                 weight_dtype: torch.dtype | None = None) -> None:
+                 weight_dtype: torch.dtype | None = None, layer_index: int = 0) -> None:
         super().__init__()
         self.shard = shard
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = SelfAttention(config, dtype, shard, weight_dtype)
+        self.self_attn = SelfAttention(config, dtype, shard, weight_dtype, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // shard.size, weight_dtype or dtype)
 
@@ -86,8 +86,8 @@ class LlamaForCausalLM(torch.nn.Module):
         weight_dtype = weight_dtype or dtype
         vocab_rows = shard.vocab_rows_per_rank(config.vocab_size)
         self.embed_tokens = _vocab_parameter(vocab_rows, config, weight_dtype)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, dtype, shard, weight_dtype)
-                                          for _ in range(config.num_hidden_layers))
+        self.layers = torch.nn.ModuleList(DecoderLayer(config, dtype, shard, weight_dtype, index)
+                                          for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied checkpoints share the embedding matrix; the loader then never fills lm_head (None: the head reads
         # embed_tokens).

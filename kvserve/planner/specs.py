@@ -129,7 +129,7 @@ def spec_from_hf_config(config: dict[str, Any], source: str = "config.json", nam
     kv_heads = _positive_int(text, "num_key_value_heads", source, default=heads)
     head_dim = _positive_int(text, "head_dim", source, default=hidden // heads)
     max_positions = _positive_int(text, "max_position_embeddings", source, default=4096)
-    window, windowed = _sliding_windows(text, model_type, num_layers, max_positions)
+    window, windowed = sliding_window_layers(text, model_type, num_layers, max_positions)
     quant, quant_note = quant_from_config(config.get("quantization_config") or text.get("quantization_config"))
     extra_params, extra_note = _vision_params(config, hidden)
     architectures = config.get("architectures") or text.get("architectures") or [f"<model_type {model_type}>"]
@@ -189,7 +189,7 @@ def _dtype_name(raw: Any) -> str | None:
     return str(raw).removeprefix("torch.") if raw else None
 
 
-def _sliding_windows(
+def sliding_window_layers(
     cfg: dict[str, Any], model_type: str, num_layers: int, max_positions: int
 ) -> tuple[int | None, tuple[int, ...]]:
     """(window, indices of windowed layers). A window at least as long as the context never binds: dropped."""
