@@ -28,7 +28,7 @@ def snapshot(manager: KVCacheManager):
         [block.block_id for block in pool.free_queue],
         [(block.ref_cnt, block.block_hash) for block in pool.blocks],
         dict(pool.cached_blocks),
-        {rid: (list(rb.block_ids), rb.num_cached_blocks) for rid, rb in manager._requests.items()},
+        {rid: [(list(g.block_ids), g.num_cached_blocks) for g in rb.groups] for rid, rb in manager._requests.items()},
         (pool.stats.requests, pool.stats.queries, pool.stats.hits, pool.stats.evictions),
     )
 
@@ -56,9 +56,9 @@ def test_hit_is_capped_so_one_prompt_token_is_computed():
     prompt = tokens(0, 32)
     admit(manager, Req("a", prompt))
     # Both blocks are cached, but the last token must be computed for its logits: only 16 hit, not 32.
-    assert manager.get_computed_blocks(Req("b", prompt)) == (manager.get_block_table("a")[:1], 16)
-    assert manager.get_computed_blocks(Req("c", prompt + [7])) == (manager.get_block_table("a")[:2], 32)
-    assert manager.get_computed_blocks(Req("d", prompt[:1])) == ([], 0)
+    assert manager.get_computed_blocks(Req("b", prompt)) == ((manager.get_block_table("a")[:1],), 16)
+    assert manager.get_computed_blocks(Req("c", prompt + [7])) == ((manager.get_block_table("a")[:2],), 32)
+    assert manager.get_computed_blocks(Req("d", prompt[:1])) == (([],), 0)
 
 
 def test_lookup_alone_records_no_stats_and_failed_admissions_count_once():
@@ -89,7 +89,7 @@ def test_same_step_hit_with_chunked_prefill_covers_only_scheduled_chunks():
     first = Req("a", prompt)
     admit(manager, first, num_new_tokens=512)
     # Only the first chunk's blocks will have K/V after this step.
-    assert manager.get_computed_blocks(Req("b", list(prompt))) == (manager.get_block_table("a"), 512)
+    assert manager.get_computed_blocks(Req("b", list(prompt))) == ((manager.get_block_table("a"),), 512)
     assert manager.allocate_slots(first, 488, 512) is not None
     assert manager.get_computed_blocks(Req("c", list(prompt)))[1] == 992
     manager.check_invariants()
@@ -107,8 +107,8 @@ def test_cache_salt_isolates_tenants():
     manager = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE)
     prompt = tokens(0, 64)
     admit(manager, Req("a", prompt, cache_salt="tenant-a"))
-    assert manager.get_computed_blocks(Req("b", prompt, cache_salt="tenant-b")) == ([], 0)
-    assert manager.get_computed_blocks(Req("c", prompt)) == ([], 0)
+    assert manager.get_computed_blocks(Req("b", prompt, cache_salt="tenant-b")) == (([],), 0)
+    assert manager.get_computed_blocks(Req("c", prompt)) == (([],), 0)
     assert manager.get_computed_blocks(Req("d", prompt, cache_salt="tenant-a"))[1] == 48
 
 
@@ -233,12 +233,12 @@ def test_concurrent_duplicates_keep_the_first_mapping():
     first, second = Req("a", tokens(0, 9)), Req("b", tokens(0, 9))
     # Both looked up before either allocated (e.g. an admission policy that ranks before allocating).
     lookups = [manager.get_computed_blocks(request) for request in (first, second)]
-    assert lookups == [([], 0), ([], 0)]
+    assert lookups == [(([],), 0), (([],), 0)]
     for request in (first, second):
         assert manager.allocate_slots(request, 9, 0) is not None
     manager.check_invariants()
     first_blocks = manager.get_block_table("a")
-    assert manager.get_computed_blocks(Req("c", tokens(0, 9)))[0] == first_blocks[:2]
+    assert manager.get_computed_blocks(Req("c", tokens(0, 9)))[0] == (first_blocks[:2],)
     manager.free(second)
     manager.free(first)
     manager.check_invariants()
@@ -267,7 +267,7 @@ def test_reset_prefix_cache():
     manager.free(running)
     assert manager.reset_prefix_cache() is True
     assert manager.num_cached_blocks == 0
-    assert manager.get_computed_blocks(Req("b", tokens(0, 9))) == ([], 0)
+    assert manager.get_computed_blocks(Req("b", tokens(0, 9))) == (([],), 0)
     manager.check_invariants()
 
 

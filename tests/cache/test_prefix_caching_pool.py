@@ -4,7 +4,8 @@ A stateful machine plays the scheduler (admit with cache lookup, chunked prefill
 abort, reset) with prompts drawn from a tiny alphabet around shared prefixes, so hits, duplicates and evictions
 are frequent. It shadows the device: each block remembers which (salt, token prefix) its K/V was computed for,
 so a hit on a block whose K/V belongs to another prefix (a stale or wrong hit) fails the test. Invariants are
-checked after every step.
+checked after every step. The hybrid machine runs the same moves on a model whose layers mix full attention and
+sliding windows: one block table per group, window groups giving back the blocks their window left.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cache_requests import Req
 
 from kvserve.cache import KVCacheManager
+from kvserve.cache.kv_cache_manager import RELEASED_BLOCK
+from kvserve.planner.kv_groups import first_needed_block
 
 SHARED_PREFIXES = ([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [1] * 18, [2, 2, 0, 0] * 5)
 SALTS = (None, None, None, "tenant-b")
@@ -34,10 +37,12 @@ class PrefixCachingMachine(RuleBasedStateMachine):
     num_blocks = 8  # small enough that evictions, failed allocations and preemptions are common
     block_size = 4
     hash_algo = "xxh3_128"
+    group_windows: tuple[int | None, ...] = (None,)
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching, self.hash_algo)
+        self.manager = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching, self.hash_algo,
+                                      self.group_windows)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         # block id -> (salt, all tokens up to the end of the block) its K/V was last computed for.
@@ -130,9 +135,12 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         self.manager.check_invariants()
         block_size = self.manager.block_size
         for request in self.running:
-            # Exactly the blocks its computed tokens need: nothing over-allocated, nothing missing.
+            # Exactly the blocks its computed tokens need: nothing over-allocated, nothing missing; a window group
+            # holds none before the first block its last step's queries could see.
             num_needed_blocks = -(-request.num_computed_tokens // block_size)
-            assert self.manager.num_blocks_of(request.request_id) == num_needed_blocks
+            released = sum(first_needed_block(window, request.last_step_start, block_size)
+                           for window in self.group_windows)
+            assert self.manager.num_blocks_of(request.request_id) == num_needed_blocks * len(self.group_windows) - released
         for request in self.waiting:
             assert self.manager.num_blocks_of(request.request_id) == 0
 
@@ -150,34 +158,49 @@ class PrefixCachingMachine(RuleBasedStateMachine):
 
     # ---- helpers -------------------------------------------------------------------------------------------
 
-    def _check_hit(self, request: Req, hit_blocks: list[int], num_hit_tokens: int) -> None:
+    def _check_hit(self, request: Req, hit_blocks: tuple[list[int], ...], num_hit_tokens: int) -> None:
         block_size = self.manager.block_size
-        assert num_hit_tokens == len(hit_blocks) * block_size
         assert num_hit_tokens <= len(request.all_token_ids) - 1, "at least one token must be computed"
-        if not self.enable_prefix_caching:
-            assert hit_blocks == []
-        for block_index, block_id in enumerate(hit_blocks):
-            expected = (request.cache_salt or None, tuple(request.all_token_ids[: (block_index + 1) * block_size]))
-            assert self.device_contents.get(block_id) == expected, f"block {block_id} holds another prefix's K/V"
+        if not self.enable_prefix_caching or not num_hit_tokens:
+            assert not any(hit_blocks)
+            return
+        for group, (window, hit) in enumerate(zip(self.group_windows, hit_blocks)):
+            assert len(hit) * block_size == num_hit_tokens
+            first = first_needed_block(window, num_hit_tokens, block_size)
+            assert hit[:first] == [RELEASED_BLOCK] * first
+            for block_index in range(first, len(hit)):
+                self._check_contents(request, group, hit[block_index], block_index, (block_index + 1) * block_size)
+
+    def _check_contents(self, request: Req, group: int, block_id: int, block_index: int, end: int) -> None:
+        expected = (group, request.cache_salt or None, tuple(request.all_token_ids[:end]))
+        assert self.device_contents.get(block_id) == expected, f"block {block_id} holds another prefix's K/V"
 
     def _compute(self, request: Req, num_new_tokens: int) -> None:
-        """What the runner does: write K/V for the scheduled tokens into the request's blocks."""
+        """What the runner does: write K/V for the scheduled tokens into each group's blocks, after checking that
+        every block the step's queries read (the whole context, or a window group's window) holds this request's
+        K/V."""
         block_size = self.manager.block_size
-        block_table = self.manager.get_block_table(request.request_id)
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
-        for block_index in range(start // block_size, -(-end // block_size)):
-            block = self.manager.pool.blocks[block_table[block_index]]
-            # Writes into a shared block would corrupt another request's K/V.
-            assert block.ref_cnt == 1, f"writing into block {block.block_id} shared by {block.ref_cnt} requests"
-            block_end = min((block_index + 1) * block_size, end)
-            computed_prefix = tuple(request.all_token_ids[:block_end])
-            self.device_contents[block.block_id] = (request.cache_salt or None, computed_prefix)
+        tables = self.manager.get_block_tables(request.request_id)
+        for group, (window, table) in enumerate(zip(self.group_windows, tables)):
+            for block_index in range(first_needed_block(window, start, block_size), start // block_size):
+                self._check_contents(request, group, table[block_index], block_index, (block_index + 1) * block_size)
+            for block_index in range(start // block_size, -(-end // block_size)):
+                block = self.manager.pool.blocks[table[block_index]]
+                # Writes into a shared block would corrupt another request's K/V.
+                assert block.ref_cnt == 1, f"writing into block {block.block_id} shared by {block.ref_cnt} requests"
+                if start % block_size and block_index == start // block_size:  # a partial block continues
+                    self._check_contents(request, group, block.block_id, block_index, start)
+                block_end = min((block_index + 1) * block_size, end)
+                computed_prefix = tuple(request.all_token_ids[:block_end])
+                self.device_contents[block.block_id] = (group, request.cache_salt or None, computed_prefix)
         request.num_computed_tokens = end
+        request.last_step_start = start
 
     def _preempt(self, request: Req) -> None:
         self.running.remove(request)
         self.manager.free(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.last_step_start = 0
         self.waiting.insert(0, request)
 
     def _snapshot(self):
@@ -187,7 +210,8 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             [block.block_id for block in pool.free_queue],
             [(block.ref_cnt, block.block_hash) for block in pool.blocks],
             dict(pool.cached_blocks),
-            {request.request_id: list(manager.get_block_table(request.request_id)) for request in self.running},
+            {request.request_id: [list(table) for table in manager.get_block_tables(request.request_id)]
+             for request in self.running},
             (pool.stats.requests, pool.stats.queries, pool.stats.hits, pool.stats.evictions),
         )
 
@@ -202,11 +226,25 @@ class SmallBlocksSha256Machine(PrefixCachingMachine):
     hash_algo = "sha256"
 
 
+class HybridGroupsMachine(PrefixCachingMachine):
+    """Two window groups (6 tokens, under two blocks of 4) around a full-attention one, as Gemma's layers are."""
+
+    num_blocks = 20
+    group_windows = (6, None, 6)
+
+
+class HybridGroupsOffMachine(HybridGroupsMachine):
+    enable_prefix_caching = False
+
+
 _machine_settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPrefixCaching = PrefixCachingMachine.TestCase
 TestPrefixCachingOff = PrefixCachingOffMachine.TestCase
 TestSmallBlocksSha256 = SmallBlocksSha256Machine.TestCase
-TestPrefixCaching.settings = TestPrefixCachingOff.settings = TestSmallBlocksSha256.settings = _machine_settings
+TestHybridGroups = HybridGroupsMachine.TestCase
+TestHybridGroupsOff = HybridGroupsOffMachine.TestCase
+for _case in (TestPrefixCaching, TestPrefixCachingOff, TestSmallBlocksSha256, TestHybridGroups, TestHybridGroupsOff):
+    _case.settings = _machine_settings
 
 
 @settings(max_examples=300, deadline=None)
@@ -223,4 +261,4 @@ def test_hit_is_the_longest_common_full_block_prefix(cached: list[int], probe: l
         num_common += 1
     expected_blocks = min(num_common // block_size, (len(probe) - 1) // block_size) if same_salt else 0
     assert num_hit_tokens == expected_blocks * block_size
-    assert hit_blocks == manager.get_block_table("first")[:expected_blocks]
+    assert hit_blocks == (manager.get_block_table("first")[:expected_blocks],)

@@ -13,6 +13,7 @@ class Req:
     num_prompt_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0  # the scheduler's view, not the manager's
+    last_step_start: int = 0  # num_computed_tokens when its last step was allocated (what a window group frees by)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.all_token_ids)
