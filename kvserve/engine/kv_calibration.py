@@ -38,9 +38,10 @@ def calibrate_key_offsets(runner: ModelRunner, storage: list[LayerKVCache], toke
     positions = list(range(num_tokens))
     pool, runner.kv_caches = runner.kv_caches, scratch
     try:
-        runner.run(StepInputs(token_ids=token_ids, positions=positions, slots=positions, logits_rows=[num_tokens - 1],
-                              query_starts=[0, num_tokens], num_computed=[0], num_decodes=0,
-                              block_tables=[list(range(num_blocks))]))
+        num_groups = len(runner.group_windows)
+        runner.run(StepInputs(token_ids=token_ids, positions=positions, slots=[positions] * num_groups,
+                              logits_rows=[num_tokens - 1], query_starts=[0, num_tokens], num_computed=[0],
+                              num_decodes=0, block_tables=[[list(range(num_blocks))]] * num_groups))
     finally:
         runner.kv_caches = pool
     adopt_calibration(storage, scratch)

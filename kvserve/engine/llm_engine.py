@@ -99,7 +99,8 @@ class LLMEngine:
         self.max_model_len = self.pool.max_model_len
         cache_cfg = config.cache
         self.kv_cache = KVCacheManager(
-            self.pool.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching, cache_cfg.prefix_caching_hash_algo
+            self.pool.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching, cache_cfg.prefix_caching_hash_algo,
+            self.pool.layout.windows,
         )
         if rank.fp8_scales:
             logger.info("fp8 KV scales: %s", rank.fp8_scales)

@@ -33,18 +33,22 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache], block_size: int,
-                 device: torch.device, max_gather_tokens: int | None = None, cascade_attention: bool = True) -> None:
+                 device: torch.device, max_gather_tokens: int | None = None, cascade_attention: bool = True,
+                 group_windows: tuple[int | None, ...] | None = None) -> None:
+        """`group_windows`: each KV cache group's sliding window (planner/kv_groups.py; default: one group with the
+        model's window)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.max_gather_tokens = max_gather_tokens  # the portable decode path's bound (see DecodeGroup)
-        self.sliding_window = model.config.sliding_window
+        self.group_windows = group_windows or (model.config.sliding_window,)
         kernels = cpu_kernels() if device.type == "cpu" else None
         # The CPU kernels for this model and cache format; None: the portable torch path.
         self.decode_kernel = decode_kernel(kernels, model.dtype, kv_caches[0])
-        # Shared prefixes read once per group (cascade attention): the CPU decode kernel's, without a window.
-        self.cascade_attention = cascade_attention and self.decode_kernel is not None and self.sliding_window is None
+        # Shared prefixes read once per group of sequences (cascade attention): the CPU decode kernel's, in the
+        # KV cache groups without a window.
+        self.cascade_attention = cascade_attention and self.decode_kernel is not None
         self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim, kv_caches[0])
         for layer_cache in kv_caches:  # new K/V: one call per layer (quantizing: instead of ~25 torch ops)
             layer_cache.writer = kv_writer(kernels, layer_cache)
@@ -66,55 +70,64 @@ class ModelRunner:
         )
 
     def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        num_seqs, num_decodes = len(inputs.num_computed), inputs.num_decodes
-        paged = PagedAttentionMetadata(slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=self.device))
-        if num_decodes:
-            paged.decode = self._decode_group(inputs, range(num_decodes))
-        if num_decodes < num_seqs:
-            paged.prefill = self._prefill_group(inputs, range(num_decodes, num_seqs))
+        """The attention metadata: one PagedAttentionMetadata per KV cache group (a tuple when there are several;
+        each layer reads its group's, paged_attention.py)."""
+        paged = tuple(self._group_metadata(inputs, group) for group in range(len(self.group_windows)))
         return AttentionMetadata(query_start_loc=inputs.query_starts, num_computed_tokens=inputs.num_computed,
-                                 paged=paged)
+                                 paged=paged[0] if len(paged) == 1 else paged)
 
-    def _decode_group(self, inputs: StepInputs, seqs: range) -> DecodeGroup:
+    def _group_metadata(self, inputs: StepInputs, group: int) -> PagedAttentionMetadata:
+        num_seqs, num_decodes = len(inputs.num_computed), inputs.num_decodes
+        slots = torch.tensor(inputs.slots[group], dtype=torch.long, device=self.device)
+        paged = PagedAttentionMetadata(slot_mapping=slots)
+        tables = inputs.block_tables[group]
+        if num_decodes:
+            paged.decode = self._decode_group(inputs, tables, range(num_decodes), self.group_windows[group])
+        if num_decodes < num_seqs:
+            paged.prefill = self._prefill_group(inputs, tables, range(num_decodes, num_seqs))
+        return paged
+
+    def _decode_group(self, inputs: StepInputs, tables: list[list[int]], seqs: range, window: int | None
+                      ) -> DecodeGroup:
         context_lens = [inputs.num_computed[s] + 1 for s in seqs]
         shared = None
-        if self.cascade_attention and len(seqs) > 1:
-            found = find_shared_prefixes([inputs.block_tables[s] for s in seqs], self.block_size)
+        if self.cascade_attention and window is None and len(seqs) > 1:
+            found = find_shared_prefixes([tables[s] for s in seqs], self.block_size)
             if found is not None:
                 shared = (torch.tensor(found.lens, dtype=torch.long), torch.tensor(found.leaders, dtype=torch.long))
         return DecodeGroup(
-            block_tables=self._block_tables(inputs, seqs),
+            block_tables=self._block_tables(tables, seqs),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
             max_context_len=max(context_lens),
             block_size=self.block_size,
-            sliding_window=self.sliding_window,
+            sliding_window=window,
             kernel=self.decode_kernel,
             max_gather_tokens=self.max_gather_tokens,
             shared_prefixes=shared,
         )
 
-    def _block_tables(self, inputs: StepInputs, seqs: range) -> torch.Tensor:
-        tables = [inputs.block_tables[s] for s in seqs]
+    def _block_tables(self, tables: list[list[int]], seqs: range) -> torch.Tensor:
+        tables = [tables[s] for s in seqs]
         max_blocks = max(len(table) for table in tables)
         return torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables], dtype=torch.long,
                             device=self.device)
 
-    def _prefill_group(self, inputs: StepInputs, seqs: range) -> PrefillGroup:
+    def _prefill_group(self, inputs: StepInputs, tables: list[list[int]], seqs: range) -> PrefillGroup:
         if self.prefill_kernel is None:
-            return PrefillGroup([self._prefill_segment(inputs, s) for s in seqs], kernel_inputs=None)
+            return PrefillGroup([self._prefill_segment(inputs, tables, s) for s in seqs], kernel_inputs=None)
         kernel_inputs = (
-            self._block_tables(inputs, seqs),
+            self._block_tables(tables, seqs),
             torch.tensor(inputs.query_starts[seqs.start:], dtype=torch.long),
             torch.tensor([inputs.num_computed[s] for s in seqs], dtype=torch.long),
         )
         return PrefillGroup(segments=[], kernel_inputs=kernel_inputs, kernel=self.prefill_kernel)
 
-    def _prefill_segment(self, inputs: StepInputs, seq: int) -> PrefillSegment:
+    def _prefill_segment(self, inputs: StepInputs, tables: list[list[int]], seq: int) -> PrefillSegment:
         num_past = inputs.num_computed[seq]
         context_slots = None
         if num_past:
             # Whole blocks expanded to slots in one vectorised op: a prefix hit can cover thousands of tokens.
-            blocks = torch.tensor(inputs.block_tables[seq], dtype=torch.long, device=self.device)
+            blocks = torch.tensor(tables[seq], dtype=torch.long, device=self.device)
             offsets = torch.arange(self.block_size, dtype=torch.long, device=self.device)
             context_slots = (blocks.unsqueeze(1) * self.block_size + offsets).flatten()[:inputs.context_len(seq)]
         return PrefillSegment(inputs.query_starts[seq], inputs.query_starts[seq + 1], num_past, context_slots)

@@ -14,14 +14,9 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.memory_profile import activation_peak_bytes
 from kvserve.model.loader import DTYPES, LoadedModel
-from kvserve.planner.budget import (
-    kv_pool_bytes,
-    max_concurrency,
-    max_model_len_for_blocks,
-    memory_budget_bytes,
-    num_blocks_for_pool,
-)
-from kvserve.planner.kv import kv_block_bytes, kv_format, kv_key_staging_bytes
+from kvserve.planner.budget import kv_pool_bytes, memory_budget_bytes, num_blocks_for_pool
+from kvserve.planner.kv import kv_format, kv_key_staging_bytes, kv_layout, kv_pool_block_bytes
+from kvserve.planner.kv_groups import KVCacheLayout
 from kvserve.planner.specs import spec_from_hf_config
 
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
@@ -47,6 +42,7 @@ class PoolPlan:
     kv_dtype: torch.dtype  # the unquantized KV dtype (what attention reads quantized K/V back as)
     source: str  # how the pool size was chosen, for the log
     kv_format: str = ""  # what the pool stores: the KV dtype's name, or fp8_e4m3 / fp8_e5m2 / int8 / int4
+    layout: KVCacheLayout | None = None  # the layers' KV cache groups (planner/kv_groups.py); None: one of all
 
     @property
     def pool_bytes(self) -> int:
@@ -56,13 +52,24 @@ class PoolPlan:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def blocks_per_request(self, context_len: int) -> int:
+        """Pool blocks one request of `context_len` tokens holds (the planner's formula)."""
+        if self.layout is None:
+            return -(-context_len // self.block_size)
+        return self.layout.blocks_per_request(context_len, self.block_size)
+
     def describe(self) -> str:
-        concurrency = max_concurrency(self.num_blocks, self.block_size, self.max_model_len)
+        concurrency = self.num_blocks / self.blocks_per_request(self.max_model_len)
+        groups = ""
+        if self.layout is not None and self.layout.is_hybrid:
+            windows = ", ".join("full" if w is None else f"window {w}" for w in self.layout.windows)
+            groups = (f"; {len(self.layout.groups)} KV cache groups of {self.layout.num_slots} layers ({windows}), "
+                      "a block holds one group's")
         return (
             f"KV cache pool: {self.pool_bytes / GIB:.2f} GiB ({self.source}) = {self.num_blocks} blocks x "
             f"{self.block_size} tokens = {self.num_tokens} tokens of {self.kv_format} KV "
-            f"({self.block_bytes / self.block_size:,.0f} B/token, scales included); maximum concurrency at max-model-len "
-            f"{self.max_model_len}: {concurrency:.2f}x"
+            f"({self.block_bytes / self.block_size:,.0f} B/token, scales included{groups}); maximum concurrency at "
+            f"max-model-len {self.max_model_len}: {concurrency:.2f}x"
         )
 
 
@@ -88,8 +95,9 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
     cache = config.cache
     spec = spec_from_hf_config(loaded.hf_config, source=str(loaded.path))
     kv_name = kv_format_name(config, loaded)
-    block_bytes = kv_block_bytes(spec, cache.block_size, kv_name, _dtype_name(loaded.dtype),
-                                 config.parallel.tensor_parallel_size)
+    block_bytes = kv_pool_block_bytes(spec, cache.block_size, kv_name, _dtype_name(loaded.dtype),
+                                      config.parallel.tensor_parallel_size)
+    layout = kv_layout(spec)
     model_limit = loaded.config.max_position_embeddings
     if (config.scheduler.max_model_len or 0) > model_limit:
         raise ValueError(
@@ -105,16 +113,18 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
         staging = key_staging_bytes(config, loaded)
         num_blocks = num_blocks_for_pool(int(gib * GIB) - staging, block_bytes)
         source = f"--kv-cache-memory {gib:g} GiB" + (f", {staging / MIB:.1f} MiB of it staging int4 keys" if staging else "")
-    largest_fit = max_model_len_for_blocks(num_blocks, cache.block_size)
-    max_model_len = config.scheduler.max_model_len or min(model_limit, largest_fit)
+    chunk = config.scheduler.max_num_batched_tokens
+    largest_fit = layout.longest_context(num_blocks, cache.block_size, chunk, model_limit)
+    max_model_len = config.scheduler.max_model_len or largest_fit
     if max_model_len > largest_fit:
+        needed = layout.peak_blocks_per_request(max_model_len, cache.block_size, chunk)
         raise PoolTooSmall(
-            f"one request of --max-model-len {max_model_len} needs {-(-max_model_len // cache.block_size)} blocks "
-            f"but the KV pool has {num_blocks} ({source}); the largest max-model-len that fits is {largest_fit}. "
-            f"Lower --max-model-len or give the pool more memory."
+            f"one request of --max-model-len {max_model_len} needs {needed} blocks but the KV pool has {num_blocks} "
+            f"({source}); the largest max-model-len that fits is {largest_fit}. Lower --max-model-len or give the "
+            f"pool more memory."
         )
     return PoolPlan(num_blocks, cache.block_size, block_bytes, max_model_len,
-                    kv_storage_dtype(config, loaded), source, kv_name)
+                    kv_storage_dtype(config, loaded), source, kv_name, layout)
 
 
 def key_staging_bytes(config: EngineConfig, loaded: LoadedModel) -> int:

@@ -51,11 +51,12 @@ def build_rank(config: EngineConfig, device: torch.device, shard: TensorShard,
     storage = allocate_kv_storage(
         model_cfg.num_hidden_layers, pool.num_blocks, cache_cfg.block_size, loaded.num_kv_heads,
         model_cfg.head_dim, pool.kv_dtype, device, pool.kv_format, key_staging_rows(config.scheduler.max_num_seqs),
+        pool.layout,
     )
     scales = set_fp8_scales(storage, loaded.model.checkpoint_kv_scales, cache_cfg.calculate_kv_scales)
     runner = ModelRunner(loaded.model, storage, cache_cfg.block_size, device,
                          max_gather_tokens=decode_gather_tokens(config.scheduler),
-                         cascade_attention=not config.disable_cascade_attn)
+                         cascade_attention=not config.disable_cascade_attn, group_windows=pool.layout.windows)
     calibration_tokens = 0
     if storage[0].quantized:
         # Every rank runs the same forward in step, so its collectives pair up.

@@ -18,12 +18,14 @@ class StepInputs:
 
     token_ids: list[int]
     positions: list[int]
-    slots: list[int]  # where each new token's K/V goes
+    slots: list[list[int]]  # per KV cache group: where each new token's K/V goes
     logits_rows: list[int]  # rows whose logits are returned: the sampling rows, then the scored prompt rows
     query_starts: list[int]  # [num_seqs + 1]: sequence s owns rows [query_starts[s], query_starts[s + 1])
     num_computed: list[int]  # [num_seqs]: tokens already in the cache per sequence
     num_decodes: int  # the first num_decodes sequences decode one token each
-    block_tables: list[list[int]]  # [num_seqs]: each sequence's blocks, as many as its context after the step
+    # Per KV cache group, [num_seqs]: each sequence's blocks, as many as its context after the step (a window
+    # group's leading ones out of its window read RELEASED_BLOCK)
+    block_tables: list[list[list[int]]]
 
     def context_len(self, seq: int) -> int:
         return self.num_computed[seq] + self.query_starts[seq + 1] - self.query_starts[seq]
@@ -57,7 +59,9 @@ class StepPlan:
 def plan_step(scheduled: list[ScheduledRequest], kv_cache: KVCacheManager) -> StepPlan:
     ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable otherwise
     size = kv_cache.block_size
-    inputs = StepInputs([], [], [], [], [0], [], sum(1 for item in ordered if item.num_new_tokens == 1), [])
+    num_groups = kv_cache.num_groups
+    inputs = StepInputs([], [], [[] for _ in range(num_groups)], [], [0], [],
+                        sum(1 for item in ordered if item.num_new_tokens == 1), [[] for _ in range(num_groups)])
     sampling: list[ScheduledRequest] = []
     prompt_rows: list[int] = []
     prompt_spans: list[PromptSpan] = []
@@ -70,13 +74,14 @@ def plan_step(scheduled: list[ScheduledRequest], kv_cache: KVCacheManager) -> St
             prompt_spans.append(span)
             first_row = len(inputs.token_ids) + span.first_position - start
             prompt_rows.extend(range(first_row, first_row + span.num_positions))
-        table = kv_cache.get_block_table(request.request_id)[: -(-end // size)]
+        for group, table in enumerate(kv_cache.get_block_tables(request.request_id)):
+            table = table[: -(-end // size)]
+            inputs.slots[group].extend(table[p // size] * size + p % size for p in range(start, end))
+            inputs.block_tables[group].append(table)
         inputs.token_ids.extend(request.all_token_ids[start:end])
         inputs.positions.extend(range(start, end))
-        inputs.slots.extend(table[p // size] * size + p % size for p in range(start, end))
         inputs.query_starts.append(len(inputs.token_ids))
         inputs.num_computed.append(start)
-        inputs.block_tables.append(table)
         if item.completes_prompt:
             inputs.logits_rows.append(len(inputs.token_ids) - 1)
             sampling.append(item)

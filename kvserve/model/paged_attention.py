@@ -113,6 +113,8 @@ class PagedAttentionMetadata:
 
 def paged_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, metadata) -> torch.Tensor:
     paged: PagedAttentionMetadata = metadata.paged
+    if isinstance(paged, tuple):  # one per KV cache group (a model mixing attention kinds): the layer's group's
+        paged = paged[kv_cache.group]
     if kv_cache.key_offset_channels is not None:  # the start-up calibration's forward
         kv_cache.measure_key_offset(k)
     if kv_cache.key_offset is not None:  # every score of a query moves by q . offset alike: softmax ignores it

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.planner.errors import PlannerError
+from kvserve.planner.kv_groups import KVCacheLayout, group_blocks, kv_cache_layout
 from kvserve.planner.parallel import kv_heads_per_gpu, pipeline_stages, validate_parallelism
 from kvserve.planner.specs import ModelSpec
 from kvserve.planner.units import ceil_div, format_bytes
@@ -167,6 +168,27 @@ def kv_block_bytes(
     return layers * kv_layer_block_bytes(spec, fmt, block_size, tensor_parallel_size)
 
 
+def kv_layout(spec: ModelSpec, pipeline_parallel_size: int = 1) -> KVCacheLayout:
+    """How the pool groups the layers of the most loaded stage by what their KV keeps (kv_groups.py)."""
+    return kv_cache_layout([spec.layer_window(layer) for layer in kv_layers_per_gpu(spec, pipeline_parallel_size)])
+
+
+def kv_pool_block_bytes(
+    spec: ModelSpec,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
+    model_dtype: str = "bfloat16",
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> int:
+    """Bytes of one pool block: block_size tokens of K and V (scales included) for the layers one block holds, every
+    layer for a model whose layers attend alike, one group's for a model that mixes windows and full attention."""
+    layers = len(kv_layers_per_gpu(spec, pipeline_parallel_size))
+    slots = kv_layout(spec, pipeline_parallel_size).num_slots
+    return kv_block_bytes(spec, block_size, kv_cache_dtype, model_dtype, tensor_parallel_size,
+                          pipeline_parallel_size) // layers * slots
+
+
 KEY_STAGING_MAX_ROWS = 128
 
 
@@ -200,15 +222,13 @@ def kv_key_staging_bytes(
 def tokens_held_by_layer(spec: ModelSpec, layer_index: int, context_len: int, block_size: int | None = None) -> int:
     """Tokens of a `context_len` request one layer keeps: all of them, or at most its sliding window.
 
-    With `block_size`, whole blocks: a window that does not start on a block boundary straddles one more block.
+    With `block_size`, whole blocks as the pool holds them (kv_groups.group_blocks): a window that does not start
+    on a block boundary straddles one more block.
     """
     window = spec.layer_window(layer_index)
     if block_size is None:
         return context_len if window is None else min(context_len, window)
-    full_blocks = ceil_div(context_len, block_size)
-    if window is None:
-        return full_blocks * block_size
-    return min(full_blocks, ceil_div(window, block_size) + 1) * block_size
+    return group_blocks(window, context_len, block_size) * block_size
 
 
 def kv_bytes_per_request(

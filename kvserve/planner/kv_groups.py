@@ -58,6 +58,19 @@ class KVCacheLayout:
         step: a window group holds the window behind a chunk and the chunk itself."""
         return sum(group_peak_blocks(group.window, context_len, block_size, chunk_len) for group in self.groups)
 
+    def longest_context(self, num_blocks: int, block_size: int, chunk_len: int, limit: int) -> int:
+        """The longest request (at most `limit` tokens) whose peak fits in `num_blocks`."""
+        if self.peak_blocks_per_request(limit, block_size, chunk_len) <= num_blocks:
+            return limit
+        fits, too_long = 0, limit  # peak blocks grow with the context: bisect
+        while too_long - fits > 1:
+            middle = (fits + too_long) // 2
+            if self.peak_blocks_per_request(middle, block_size, chunk_len) <= num_blocks:
+                fits = middle
+            else:
+                too_long = middle
+        return fits
+
 
 def first_needed_block(window: int | None, first_query_position: int, block_size: int) -> int:
     """The first block a window group still reads when its next query is at `first_query_position`: a query at

@@ -12,13 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.planner.activation import ActivationReserve, activation_reserve, overridden_reserve
-from kvserve.planner.budget import (
-    blocks_per_request,
-    kv_pool_bytes,
-    max_concurrency,
-    memory_budget_bytes,
-    num_blocks_for_pool,
-)
+from kvserve.planner.budget import kv_pool_bytes, memory_budget_bytes, num_blocks_for_pool
 from kvserve.planner.dtypes import resolve_model_dtype
 from kvserve.planner.errors import PlannerError
 from kvserve.planner.gpus import GpuSpec, resolve_gpu
@@ -27,12 +21,13 @@ from kvserve.planner.kv import (
     KVFormat,
     explain_kv_bytes_per_token,
     format_bytes_exact,
-    kv_block_bytes,
-    kv_bytes_per_request,
     kv_bytes_per_token,
     kv_format,
     kv_key_staging_bytes,
+    kv_layout,
+    kv_pool_block_bytes,
 )
+from kvserve.planner.kv_groups import KVCacheLayout
 from kvserve.planner.parallel import validate_parallelism
 from kvserve.planner.quant import quant_from_flag
 from kvserve.planner.specs import ModelSpec
@@ -103,7 +98,8 @@ class Plan:
     max_model_len: int
     target_concurrency: int
     kv_bytes_per_token: int
-    block_bytes: int
+    block_bytes: int  # one pool block (kv.kv_pool_block_bytes)
+    layout: KVCacheLayout
     weights: WeightEstimate
     activation: ActivationReserve
     budget_bytes: int
@@ -117,8 +113,12 @@ class Plan:
     def tokens_in_pool(self) -> int:
         return self.num_blocks * self.request.block_size
 
+    def blocks_per_request(self, context_len: int) -> int:
+        """Pool blocks one request of `context_len` tokens holds (window groups: only their window's)."""
+        return self.layout.blocks_per_request(context_len, self.request.block_size)
+
     def concurrency(self, context_len: int) -> float:
-        return max_concurrency(self.num_blocks, self.request.block_size, context_len)
+        return max(self.num_blocks, 0) / self.blocks_per_request(context_len)
 
     def figure(self, key: str) -> Figure:
         return next(f for f in self.figures if f.key == key)
@@ -176,13 +176,16 @@ def _kv_cost(spec: ModelSpec, request: PlanRequest, kv_cache_dtype: str, model_d
              max_model_len: int) -> KVCost:
     tp, pp, bs = request.tensor_parallel_size, request.pipeline_parallel_size, request.block_size
     per_token = kv_bytes_per_token(spec, kv_cache_dtype, model_dtype, tp, pp, bs)
-    block_bytes = kv_block_bytes(spec, bs, kv_cache_dtype, model_dtype, tp, pp)
+    block_bytes = kv_pool_block_bytes(spec, bs, kv_cache_dtype, model_dtype, tp, pp)
+    layout = kv_layout(spec, pp)
     fmt = kv_format(kv_cache_dtype, model_dtype)
     avg = request.avg_context_len
     return KVCost(
         kv_cache_dtype, fmt, _per_token_figure(spec, fmt, per_token, tp, pp),
-        _request_figure("kv_per_request", "max-model-len", max_model_len, bs, block_bytes),
-        _request_figure("kv_per_avg_request", "avg-context-len", avg, bs, block_bytes) if avg else None,
+        _request_figure("kv_per_request", "max-model-len", max_model_len, layout.blocks_per_request(max_model_len, bs),
+                        block_bytes),
+        _request_figure("kv_per_avg_request", "avg-context-len", avg, layout.blocks_per_request(avg, bs), block_bytes)
+        if avg else None,
     )
 
 
@@ -194,7 +197,7 @@ def make_plan(spec: ModelSpec, request: PlanRequest) -> Plan:
     tp, pp = request.tensor_parallel_size, request.pipeline_parallel_size
     max_model_len = _resolve_max_model_len(spec, request.max_model_len)
     per_token = kv_bytes_per_token(spec, request.kv_cache_dtype, model_dtype, tp, pp, request.block_size)
-    block_bytes = kv_block_bytes(spec, request.block_size, request.kv_cache_dtype, model_dtype, tp, pp)
+    block_bytes = kv_pool_block_bytes(spec, request.block_size, request.kv_cache_dtype, model_dtype, tp, pp)
     weights = estimate_weights(spec, model_dtype, quant_from_flag(request.quantization), tp, pp)
     reserve = _activation(spec, request, model_dtype)
     budget = memory_budget_bytes(gpu.memory_bytes, request.gpu_memory_utilization)
@@ -211,6 +214,7 @@ def make_plan(spec: ModelSpec, request: PlanRequest) -> Plan:
         target_concurrency=request.target_concurrency or request.max_num_seqs,
         kv_bytes_per_token=per_token,
         block_bytes=block_bytes,
+        layout=kv_layout(spec, pp),
         weights=weights,
         activation=reserve,
         budget_bytes=budget,
@@ -275,9 +279,9 @@ def _figures(plan: Plan) -> list[Figure]:
     figures = [
         _per_token_figure(plan.spec, plan.kv, plan.kv_bytes_per_token, request.tensor_parallel_size,
                           request.pipeline_parallel_size),
-        Figure("kv_block_bytes", f"KV block of {bs} tokens", plan.block_bytes, format_bytes(plan.block_bytes),
-               f"{bs} tokens × {per_token_text} = {format_bytes(plan.block_bytes)}"),
-        _request_figure("kv_per_request", "max-model-len", plan.max_model_len, bs, plan.block_bytes),
+        _block_figure(plan, per_token_text),
+        _request_figure("kv_per_request", "max-model-len", plan.max_model_len,
+                        plan.blocks_per_request(plan.max_model_len), plan.block_bytes),
         Figure("gpu_memory", f"GPU memory ({plan.gpu.name})", plan.gpu.memory_bytes,
                format_bytes(plan.gpu.memory_bytes), f"{plan.gpu.nominal}, as CUDA reports it"),
         Figure("budget", "Memory budget", plan.budget_bytes, format_bytes(plan.budget_bytes),
@@ -299,8 +303,6 @@ def _figures(plan: Plan) -> list[Figure]:
     if request.avg_context_len:
         figures.append(_concurrency_figure(plan, "concurrency_at_avg_context_len", "avg-context-len",
                                            request.avg_context_len))
-    if plan.spec.has_windowed_layers:
-        figures.append(_windowed_concurrency_figure(plan))
     figures.append(_demand_figure(plan, "worst_case_demand", "max-num-seqs × max-model-len",
                                   request.max_num_seqs, plan.max_model_len))
     if request.avg_context_len:
@@ -320,56 +322,50 @@ def _weights_figure(weights: WeightEstimate) -> Figure:
                   weights.formula)
 
 
-def _request_figure(key: str, flag: str, context_len: int, block_size: int, block_bytes: int) -> Figure:
+def _block_figure(plan: Plan, per_token_text: str) -> Figure:
+    bs, layout = plan.request.block_size, plan.layout
+    formula = f"{bs} tokens × {per_token_text} = {format_bytes(plan.block_bytes)}"
+    if layout.is_hybrid:
+        formula = (f"{bs} tokens of one group's {layout.num_slots} layers (of {len(layout.groups)} groups: full "
+                   f"attention and sliding windows, one block table each) = {format_bytes(plan.block_bytes)}")
+    return Figure("kv_block_bytes", f"KV block of {bs} tokens", plan.block_bytes, format_bytes(plan.block_bytes),
+                  formula)
+
+
+def _request_figure(key: str, flag: str, context_len: int, blocks: int, block_bytes: int) -> Figure:
     """One request's KV in whole blocks, as the pool allocates it."""
-    blocks = blocks_per_request(context_len, block_size)
     request_bytes = blocks * block_bytes
     return Figure(key, f"One request at {flag} {context_len:,}", request_bytes, format_bytes(request_bytes),
                   f"{blocks:,} blocks × {format_bytes(block_bytes)} = {format_bytes(request_bytes)}")
 
 
 def _concurrency_figure(plan: Plan, key: str, flag: str, context_len: int) -> Figure:
-    blocks = blocks_per_request(context_len, plan.request.block_size)
+    blocks = plan.blocks_per_request(context_len)
     value = plan.concurrency(context_len)
     return Figure(key, f"Requests in the pool at {flag} {context_len:,}", value, f"{value:,.1f}",
                   f"{plan.num_blocks:,} blocks ÷ {blocks:,} blocks per request = {value:,.2f}")
 
 
-def _windowed_concurrency_figure(plan: Plan) -> Figure:
-    """What a window-aware allocator (vLLM's hybrid KV manager) would fit; kvserve's pool reserves every layer."""
-    request = plan.request
-    context = request.avg_context_len or plan.max_model_len
-    windowed_bytes = kv_bytes_per_request(plan.spec, context, request.kv_cache_dtype, plan.model_dtype,
-                                          request.tensor_parallel_size, request.pipeline_parallel_size,
-                                          block_size=request.block_size)
-    value = max(plan.pool_bytes, 0) / windowed_bytes
-    spec = plan.spec
-    return Figure("concurrency_windowed", f"Requests at {context:,} with window-aware allocation", value,
-                  f"{value:,.1f}",
-                  f"{len(spec.windowed_layers)} of {spec.num_layers} layers hold ≤ {spec.sliding_window:,} tokens: "
-                  f"{format_bytes(windowed_bytes)} per request; {format_bytes(max(plan.pool_bytes, 0))} ÷ that = "
-                  f"{value:,.2f} (reference only: kvserve's pool reserves every layer)")
-
-
 def _demand_figure(plan: Plan, key: str, label: str, num_seqs: int, context_len: int) -> Figure:
-    blocks = num_seqs * blocks_per_request(context_len, plan.request.block_size)
+    blocks = num_seqs * plan.blocks_per_request(context_len)
     demand = blocks * plan.block_bytes
     pool = max(plan.pool_bytes, 0)
     ratio = f"{demand / pool:.1f}× the pool" if pool else "no pool"
-    return Figure(key, label, demand, format_bytes(demand),
-                  f"{num_seqs:,} × {context_len:,} tokens × {format_bytes_exact(plan.kv_bytes_per_token)} "
-                  f"= {format_bytes(demand)} ({ratio})")
+    per_request = f"{context_len:,} tokens × {format_bytes_exact(plan.kv_bytes_per_token)}"
+    if plan.layout.is_hybrid or plan.spec.has_windowed_layers:
+        per_request = f"{plan.blocks_per_request(context_len):,} blocks × {format_bytes(plan.block_bytes)}"
+    return Figure(key, label, demand, format_bytes(demand), f"{num_seqs:,} × {per_request} = {format_bytes(demand)} ({ratio})")
 
 
 def _verdict(plan: Plan) -> Verdict:
-    request, bs = plan.request, plan.request.block_size
+    request = plan.request
     workload = _workload_check(plan)
     cannot_serve = False if request.avg_context_len else None
     if plan.pool_bytes <= 0:
         short = -plan.pool_bytes
         return Verdict(DOES_NOT_LOAD, f"DOES NOT LOAD: weights + activation reserve exceed the budget by "
                        f"{format_bytes(short)}", (), cannot_serve)
-    one_request = blocks_per_request(plan.max_model_len, bs)
+    one_request = plan.blocks_per_request(plan.max_model_len)
     if plan.num_blocks < one_request:
         return Verdict(STARTUP_ERROR, f"FAILS AT STARTUP: one {plan.max_model_len:,}-token request needs "
                        f"{format_bytes(one_request * plan.block_bytes)} of KV, the pool holds "
@@ -405,7 +401,8 @@ def _notes(spec: ModelSpec, request: PlanRequest) -> list[str]:
     notes = []
     if spec.has_windowed_layers:
         notes.append(f"{len(spec.windowed_layers)} of {spec.num_layers} layers use a {spec.sliding_window:,}-token "
-                     "sliding window; figures count every layer at full length (what kvserve's pool reserves)")
+                     "sliding window: their blocks hold only the window's tokens (blocks out of it are freed), so a "
+                     "request's KV is less than its tokens × the per-token figure")
     if spec.is_mla and request.tensor_parallel_size > 1:
         notes.append("MLA's latent KV is replicated on every TP rank: TP does not shrink KV bytes per token")
     if not spec.is_mla and spec.num_kv_heads < request.tensor_parallel_size:

@@ -29,6 +29,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=T
 COMMON = dict(dtype="float32", device="cpu", max_model_len=512)
 # Small enough that prompts are prefilled in chunks and the pool forces preemptions.
 CHUNKED_AND_PREEMPTED = dict(num_gpu_blocks_override=40, max_num_batched_tokens=64)
+# Mistral's 24-token window keeps two or three blocks a request: a smaller pool preempts it.
+POOL_BLOCKS = {"llama": 40, "qwen2": 40, "mistral": 10}
 
 
 def generate(llm: LLM, prompts=None) -> list[list[int]]:
@@ -67,7 +69,8 @@ def assert_gone(pids: list[int]) -> None:
 def test_tp2_greedy_matches_transformers_through_chunks_and_preemption(kind, tiny_model_dir):
     folder, hf_model = tiny_model_dir(kind)
     expected = [reference_greedy(hf_model, p, MAX_NEW_TOKENS) for p in make_prompts()]
-    llm = LLM(str(folder), tensor_parallel_size=2, **COMMON, **CHUNKED_AND_PREEMPTED)
+    llm = LLM(str(folder), tensor_parallel_size=2, **COMMON,
+              **(CHUNKED_AND_PREEMPTED | {"num_gpu_blocks_override": POOL_BLOCKS[kind]}))
     try:
         assert_same(generate(llm), expected, f"{kind} TP=2")
         assert llm.engine.scheduler.num_preemptions > 0, "the small pool should have forced preemptions"

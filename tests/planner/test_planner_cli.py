@@ -91,11 +91,15 @@ def test_activation_reserve_override(capsys):
     assert result["figures"]["activation"]["formula"].startswith("--activation-reserve-gib 2")
 
 
-def test_gemma_plan_reports_window_aware_reference(capsys):
+def test_gemma_plan_counts_only_the_window_for_windowed_layers(capsys):
+    # Gemma 2 9B: 21 of 42 layers use a 4,096-token window, so a pool block holds one group's 21 layers and a
+    # request of 8,192 tokens holds 512 blocks of the global group and 256 of the windowed one.
     result = _run_json(capsys, ["plan", "--model", "google/gemma-2-9b-it", "--gpu", "L4", "--avg-context-len", "8k"])
-    assert "concurrency_windowed" in result["figures"]
-    assert result["figures"]["concurrency_windowed"]["value"] > result["figures"][
-        "concurrency_at_avg_context_len"]["value"]
+    figures = result["figures"]
+    per_layer_block = 16 * 2 * 8 * 256 * 2
+    assert figures["kv_block_bytes"]["value"] == 21 * per_layer_block
+    assert figures["kv_per_request"]["value"] == (512 + 256) * 21 * per_layer_block  # max-model-len 8,192
+    assert figures["concurrency_at_max_model_len"]["value"] == figures["num_blocks"]["value"] / (512 + 256)
     assert any("sliding window" in note for note in result["notes"])
 
 

@@ -126,7 +126,10 @@ def test_pipeline_parallel_counts_the_most_loaded_stage():
 def test_windowed_layers_hold_whole_blocks_with_one_straddling_block():
     spec = registry_spec("mistralai/Mistral-7B-v0.1")  # window 4096 on every layer
     assert tokens_held_by_layer(spec, 0, 10_000) == 4096
-    assert tokens_held_by_layer(spec, 0, 10_000, block_size=16) == (4096 // 16 + 1) * 16
+    # The last query (position 9,999) sees 5,904..9,999: blocks 369..624, 256 whole blocks. One token later the
+    # window starts inside block 369 and reaches into block 625: one more.
+    assert tokens_held_by_layer(spec, 0, 10_000, block_size=16) == 4096
+    assert tokens_held_by_layer(spec, 0, 10_001, block_size=16) == (4096 // 16 + 1) * 16
     assert tokens_held_by_layer(spec, 0, 100, block_size=16) == 112
     with pytest.raises(PlannerError):
         kv_bytes_per_request(spec, -1)

@@ -15,7 +15,8 @@ from kvserve.cache.storage.kv_storage import LayerKVCache
 
 class BlockCopier:
     def __init__(self, layers: list[LayerKVCache]) -> None:
-        self.tensors = [tensor for layer in layers for tensor in layer.tensors()]
+        # Layers of different KV cache groups share a slot's tensors: each is moved once.
+        self.tensors = list({id(tensor): tensor for layer in layers for tensor in layer.tensors()}.values())
         self.block_bytes_per_tensor = [tensor[0].numel() * tensor.element_size() for tensor in self.tensors]
         self.payload_bytes = sum(self.block_bytes_per_tensor)
         self.shards = 1  # tensor-parallel ranks whose parts a payload holds (see engine/tp_group.py)

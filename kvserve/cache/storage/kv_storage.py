@@ -23,6 +23,7 @@ import torch
 
 from kvserve.cache.storage.key_staging import KeyStaging
 from kvserve.cache.storage.kv_quant import KVCodec, codec_for, decode_int4_keys, encode_int4_key_block, rotation_matrix
+from kvserve.planner.kv_groups import KVCacheLayout, kv_cache_layout
 
 
 @dataclass(slots=True)
@@ -48,6 +49,9 @@ class LayerKVCache:
     # [staging rows, block_size, kv_heads, head_dim] in the KV dtype
     key_staging: KeyStaging | None = None
     key_stage: torch.Tensor | None = None
+    # The layer's KV cache group (planner/kv_groups.py): which block tables and slots address it. Layers of
+    # different groups share the tensors of one storage slot; a block belongs to one group at a time.
+    group: int = 0
 
     @property
     def flat_key(self) -> torch.Tensor:
@@ -161,6 +165,7 @@ def calibration_caches(layers: list[LayerKVCache], num_blocks: int, channels: to
             fresh.key_tensor_scale.copy_(layer.key_tensor_scale)
             fresh.value_tensor_scale.copy_(layer.value_tensor_scale)
         fresh.calibrating, fresh.writer, fresh.key_offset_channels = layer.calibrating, layer.writer, channels
+        fresh.group = layer.group
         scratch.append(fresh)
     return scratch
 
@@ -210,20 +215,43 @@ def allocate_kv_storage(
     device: torch.device | str = "cpu",
     kv_cache_dtype: str | None = None,
     staging_rows: int = 8,
+    layout: KVCacheLayout | None = None,
 ) -> list[LayerKVCache]:
-    """`dtype`: the unquantized KV dtype; `kv_cache_dtype` (fp8, fp8_e4m3, fp8_e5m2, int8, int4) quantizes.
-    `staging_rows`: int4's staging rows (key_staging.py; the engine passes --max-num-seqs)."""
+    """One LayerKVCache per model layer. `dtype`: the unquantized KV dtype; `kv_cache_dtype` (fp8, fp8_e4m3,
+    fp8_e5m2, int8, int4) quantizes. `staging_rows`: int4's staging rows (key_staging.py; the engine passes
+    --max-num-seqs). `layout` (default: one group of every layer): the pool holds layout.num_slots layers' tensors,
+    and the k-th layer of each group reads and writes slot k's (the scales of a per-tensor format stay per layer)."""
+    layout = layout or kv_cache_layout([None] * num_layers)
+    assert sum(len(group.layers) for group in layout.groups) == num_layers
     codec = codec_for(kv_cache_dtype, head_dim) if kv_cache_dtype else None
     if codec is None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: padded block-table entries read block contents that attention then masks out,
         # and NaN garbage times a zero weight would still be NaN.
-        return [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(num_layers)]
-    rotation = rotation_matrix(codec.head_dim, device) if codec.rotates else None  # one, shared by every layer
-    staging = _staging(codec, staging_rows, block_size)  # one, shared by every layer
-    return [_quantized_layer(codec, num_blocks, block_size, num_kv_heads, device, rotation, staging, dtype)
-            for _ in range(num_layers)]
+        slots = [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
+                              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layout.num_slots)]
+    else:
+        rotation = rotation_matrix(codec.head_dim, device) if codec.rotates else None  # one, shared by every layer
+        staging = [_staging(codec, staging_rows, block_size) for _ in layout.groups]  # one per group's slot mapping
+        slots = [_quantized_layer(codec, num_blocks, block_size, num_kv_heads, device, rotation, staging[0], dtype)
+                 for _ in range(layout.num_slots)]
+    layers: list[LayerKVCache | None] = [None] * num_layers
+    for group_index, group in enumerate(layout.groups):
+        for slot, layer in enumerate(group.layers):
+            shared = slots[slot] if group_index == 0 else _sharing(slots[slot], staging[group_index] if codec else None)
+            shared.group = group_index
+            layers[layer] = shared
+    return layers
+
+
+def _sharing(slot: LayerKVCache, staging: KeyStaging | None) -> LayerKVCache:
+    """Another layer over `slot`'s per-block tensors, with its own per-layer state (tensor scales, int4 staging)."""
+    def fresh(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else torch.ones_like(tensor) if tensor.dim() == 0 else torch.zeros_like(tensor)
+
+    return LayerKVCache(slot.key, slot.value, slot.codec, slot.key_scales, slot.value_scales,
+                        fresh(slot.key_tensor_scale), fresh(slot.value_tensor_scale), slot.rotation,
+                        key_staging=staging, key_stage=fresh(slot.key_stage))
 
 
 def _staging(codec: KVCodec, rows: int, block_size: int) -> KeyStaging | None:
