@@ -12,7 +12,10 @@ from typing import Any
 from kvserve.planner.kv import KV_CACHE_DTYPES
 from kvserve.planner.specs import sliding_window_layers
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
+# Multimodal checkpoints whose language model kvserve serves alone: the text model's config is `text_config`,
+# its weights those under the language model's prefix (loader._HFSource renames them).
+TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
 class ModelLoadError(ValueError):
@@ -49,6 +52,11 @@ class ModelConfig:
     torch_dtype: str | None = None  # the checkpoint's own dtype name, for --dtype auto
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Gemma 3: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); the sliding layers' own
+    # rope base (None: every layer rotates with rope_theta and rope_scaling); the MLP's activation.
+    query_pre_attn_scalar: float | None = None
+    rope_local_base_freq: float | None = None
+    hidden_activation: str = "silu"
 
     def layer_window(self, layer_index: int) -> int | None:
         """The sliding window of one layer, or None where it attends over the whole context."""
@@ -58,6 +66,10 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         architectures = cfg.get("architectures") or []
         arch = architectures[0] if architectures else _arch_from_model_type(cfg.get("model_type"))
+        if arch in TEXT_MODEL_OF:
+            if not isinstance(cfg.get("text_config"), dict):
+                raise ModelLoadError(f"{source}: {arch} without a text_config; kvserve serves its language model")
+            cfg, arch = cfg["text_config"], TEXT_MODEL_OF[arch]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"{source}: unsupported architecture {arch!r}; kvserve loads {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -73,6 +85,9 @@ class ModelConfig:
                                                  int(cfg.get("max_position_embeddings", 4096)))
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        gemma3 = arch == "Gemma3ForCausalLM"
+        if gemma3:
+            _check_gemma3(cfg, source)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -83,9 +98,9 @@ class ModelConfig:
             num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_param(cfg, "rope_theta", 10000.0)),
+            rope_theta=float(_rope_param(cfg, "rope_theta", GEMMA3_ROPE_THETA if gemma3 else 10000.0)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma3)),  # Gemma 3 ties them unless it says
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             rope_scaling=_parse_rope_scaling(cfg, source),
             sliding_window=window,
@@ -93,23 +108,66 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim) if gemma3 else None,
+            rope_local_base_freq=_local_rope_theta(cfg, source) if gemma3 else None,
+            hidden_activation="gelu_pytorch_tanh" if gemma3 else "silu",
         )
 
 
+_MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
+}
+
+
 def _arch_from_model_type(model_type: str | None) -> str:
-    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-        model_type or "", f"<model_type {model_type!r}>"
-    )
+    return _MODEL_TYPE_ARCHITECTURES.get(model_type or "", f"<model_type {model_type!r}>")
+
+
+GEMMA3_ROPE_THETA = 1_000_000.0  # transformers' defaults when a Gemma 3 config names no rope base
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+HYBRID_ROPE_SECTIONS = ("full_attention", "sliding_attention")
+
+
+def _check_gemma3(cfg: dict[str, Any], source: str) -> None:
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ModelLoadError(f"{source}: {key} = {cfg[key]}; Gemma 3 has no logit soft-capping and kvserve "
+                                 "does not compute it (Gemma 2 checkpoints are not supported)")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{source}: hidden_activation {activation!r}; kvserve's Gemma 3 computes gelu_pytorch_tanh")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding model); kvserve serves causal "
+                             "language models")
+
+
+def _rope_section(cfg: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
+    """The rope parameters one kind of layer rotates with. transformers 5 writes `rope_parameters`, per layer
+    type where layers differ (Gemma 3: {"full_attention": {...}, "sliding_attention": {...}}); older configs
+    keep rope_theta and rope_scaling at the top level."""
+    params = cfg.get("rope_parameters") or {}
+    if any(key in params for key in HYBRID_ROPE_SECTIONS):
+        return params.get(layer_type) or {}
+    return params
 
 
 def _rope_param(cfg: dict[str, Any], key: str, default: Any) -> Any:
-    # transformers 5 moved rope settings into `rope_parameters`; older configs keep them at the top level.
-    params = cfg.get("rope_parameters") or {}
-    return params.get(key, cfg.get(key, default))
+    return _rope_section(cfg).get(key, cfg.get(key, default))
+
+
+def _local_rope_theta(cfg: dict[str, Any], source: str) -> float:
+    """Gemma 3's sliding layers: their own base, never scaled (transformers applies rope_scaling to the full
+    layers only)."""
+    section = _rope_section(cfg, "sliding_attention") if cfg.get("rope_parameters") else {}
+    rope_type = section.get("rope_type", "default") or "default"
+    if rope_type != "default":
+        raise ModelLoadError(f"{source}: sliding layers with rope_type {rope_type!r}; kvserve rotates them unscaled")
+    return float(section.get("rope_theta") or cfg.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA)
 
 
 def _parse_rope_scaling(cfg: dict[str, Any], source: str) -> RopeScaling:
-    raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    raw = cfg.get("rope_scaling") or _rope_section(cfg)
     rope_type = raw.get("rope_type", raw.get("type", "default")) or "default"
     if rope_type not in ("default", "llama3", "linear"):
         raise ModelLoadError(f"{source}: unsupported rope_scaling type {rope_type!r} (kvserve: default, llama3, linear)")

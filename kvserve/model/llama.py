@@ -1,4 +1,4 @@
-"""The Llama-family decoder (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM).
+"""The Llama-family decoder (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM); gemma3.py builds on it.
 
 The three differ only in configuration: Qwen2 adds q/k/v biases, Mistral a sliding window, Llama 3 a rope
 scaling. Tokens arrive flat ([num_tokens]) with their positions, so one forward can mix sequences in prefill
@@ -19,7 +19,7 @@ from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, all_reduce, 
 
 class SelfAttention(torch.nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL,
-                 weight_dtype: torch.dtype | None = None, layer_index: int = 0) -> None:
+                 weight_dtype: torch.dtype | None = None, layer_index: int = 0, scale: float | None = None) -> None:
         super().__init__()
         self.shard = shard
         self.num_heads, self.num_kv_heads = shard.heads(config)  # this rank's share (all of them at TP 1)
@@ -31,11 +31,17 @@ class SelfAttention(torch.nn.Module):
         self.qkv_proj = empty_parameter(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=weight_dtype)
         self.qkv_bias = empty_parameter(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
         self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=weight_dtype)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.layer_window(layer_index))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.layer_window(layer_index),
+                              scale)
+        # Per-head norms of q and k before rotary (Gemma 3), each over head_dim; None: none.
+        self.q_norm: torch.nn.Module | None = None
+        self.k_norm: torch.nn.Module | None = None
 
     def forward(self, x: torch.Tensor, step: "ForwardStep", kv_cache: object | None) -> torch.Tensor:
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
         num_tokens = x.shape[0]
+        if self.q_norm is not None:
+            self._norm_qk_(qkv, step.kernels)
         if step.kernels is not None:
             step.kernels.rotary_qk_(qkv, step.positions, step.rotary.cos_cache, step.rotary.sin_cache,
                                     self.num_heads, self.num_kv_heads, self.head_dim)
@@ -48,6 +54,14 @@ class SelfAttention(torch.nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, step.metadata)
         return all_reduce(linear(out, self.o_proj), self.shard)  # row-parallel: the ranks' partial sums
+
+    def _norm_qk_(self, qkv: torch.Tensor, kernels) -> None:
+        """Normalizes each q and k head of the fused activation in place (rotary then reads them there)."""
+        num_tokens = qkv.shape[0]
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        q.copy_(self.q_norm(q, kernels))
+        k.copy_(self.k_norm(k, kernels))
 
 
 class DecoderLayer(torch.nn.Module):
@@ -75,6 +89,10 @@ class DecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
+    # What a subclass (gemma3.py) changes: its layers and its norm.
+    decoder_layer_class: type[torch.nn.Module] = DecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TensorShard = WHOLE_MODEL,
                  weight_dtype: torch.dtype | None = None) -> None:
         """`dtype` computes; `weight_dtype` (default: `dtype`) holds the matmul weights and the token embedding:
@@ -86,9 +104,9 @@ class LlamaForCausalLM(torch.nn.Module):
         weight_dtype = weight_dtype or dtype
         vocab_rows = shard.vocab_rows_per_rank(config.vocab_size)
         self.embed_tokens = _vocab_parameter(vocab_rows, config, weight_dtype)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, dtype, shard, weight_dtype, index)
+        self.layers = torch.nn.ModuleList(self.decoder_layer_class(config, dtype, shard, weight_dtype, index)
                                           for index in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied checkpoints share the embedding matrix; the loader then never fills lm_head (None: the head reads
         # embed_tokens).
         self.lm_head = None if config.tie_word_embeddings else _vocab_parameter(vocab_rows, config, weight_dtype)
@@ -157,18 +175,26 @@ class LlamaForCausalLM(torch.nn.Module):
         needs fp32 converts the rows it uses (a batch's [rows, vocab] copy is a large fresh allocation). Under
         tensor parallelism only rank 0 gets them; the other ranks return None."""
         x = self._embed(input_ids)
-        step = ForwardStep(positions, metadata, self.rotary, self.fused_kernels if x.device.type == "cpu" else None)
+        kernels = self.fused_kernels if x.device.type == "cpu" else None
+        x = self._run_layers(x, positions, metadata, kv_caches, kernels)
+        return self._logits(x, logits_indices, kernels)
+
+    def _run_layers(self, x: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                    kv_caches: list | None, kernels) -> torch.Tensor:
+        """The residual stream after the last layer."""
+        step = ForwardStep(positions, metadata, self.rotary, kernels)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, step, None if kv_caches is None else kv_caches[i])
-        residual.add_(x)
-        x = residual
+        return residual.add_(x)
+
+    def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor | None, kernels) -> torch.Tensor | None:
+        """The final norm and the head over the residual stream's rows at `logits_indices` (all when None)."""
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        x = self.norm(x.contiguous(), step.kernels)
+        x = self.norm(x.contiguous(), kernels)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return gather_logits(linear(x, head), self.config.vocab_size, self.shard)
-
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, QuantWeight):  # held as blocks only by a whole model (one rank)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvserve.config import ModelConfig, ModelLoadError
+from kvserve.config import TEXT_MODEL_OF, ModelConfig, ModelLoadError
 from kvserve.model.cpu_isa import native_bf16, selected_isa
 from kvserve.model.cpu_kernels import cpu_kernels, packed_weights_are_faster
 from kvserve.model.demo import DEMO_MODEL_NAME, demo_model_path
@@ -23,6 +23,7 @@ from kvserve.model.hf_checkpoint import (
     count_safetensors_tensors, iter_safetensors, read_generation_config, read_hf_config, safetensors_files,
     safetensors_matrix_dtype,
 )
+from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.layers import bound_onednn_caches
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.quant_weight import QuantPart
@@ -31,6 +32,9 @@ from kvserve.model.tokenizer import Tokenizer, load_hf_tokenizer
 from kvserve.model.weights import load_weights, quant_weights
 
 logger = logging.getLogger("kvserve.model")
+
+# The module that computes each architecture (config.SUPPORTED_ARCHITECTURES); the rest are Llama's.
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM}
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
@@ -152,7 +156,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     kernels = cpu_kernels() if device.type == "cpu" else None
     weight_dtype = held_weight_dtype(source.matrix_dtype(), torch_dtype, kernels)
     with torch.device(device):
-        net = LlamaForCausalLM(config, torch_dtype, shard, weight_dtype)
+        net = MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)(config, torch_dtype, shard, weight_dtype)
     net.fused_kernels = kernels
     held = quant_weights(net, source.quant_parts(), net.fused_kernels) if gguf_blocks and _holds_blocks(net, shard) else {}
     held_names = frozenset(name for _, names in held.values() for name in names)
@@ -238,7 +242,11 @@ class _HFSource:
         return count_safetensors_tensors(self.files)
 
     def tensors(self, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor, str]]:
-        return iter_safetensors(self.files, dtype)
+        if (self.config.get("architectures") or [None])[0] not in TEXT_MODEL_OF:
+            return iter_safetensors(self.files, dtype)
+        # A multimodal checkpoint: its language model's tensors under their text model names (the vision
+        # tower's match no parameter and are skipped).
+        return ((_text_model_name(name), tensor, file) for name, tensor, file in iter_safetensors(self.files, dtype))
 
     def quant_parts(self) -> Iterator[tuple[str, QuantPart]]:
         return iter(())  # safetensors hold plain (or differently quantized) tensors
@@ -248,6 +256,19 @@ class _HFSource:
 
     def parameter_bytes(self) -> int:
         return sum(file.stat().st_size for file in self.files)
+
+
+# Where multimodal checkpoints keep their language model: transformers 4 wrote "language_model.model.*", 5 writes
+# "model.language_model.*".
+TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                       "language_model.lm_head.": "lm_head."}
+
+
+def _text_model_name(name: str) -> str:
+    for prefix, text_prefix in TEXT_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return text_prefix + name.removeprefix(prefix)
+    return name
 
 
 class _GGUFSource:

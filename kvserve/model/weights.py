@@ -75,9 +75,9 @@ def _layer_destinations(layer: DecoderLayer, config: ModelConfig, shard: TensorS
         "mlp.gate_proj.weight": _rows(mlp.gate_up_proj, 0, inter, inter_start, inter_full),
         "mlp.up_proj.weight": _rows(mlp.gate_up_proj, inter, inter, inter_start, inter_full),
         "mlp.down_proj.weight": _columns(mlp.down_proj, inter_start, inter_full),
-        "input_layernorm.weight": _whole(layer.input_layernorm.weight),
-        "post_attention_layernorm.weight": _whole(layer.post_attention_layernorm.weight),
     }
+    # Norms are replicated, and each is named as in the checkpoint ("self_attn.q_norm.weight").
+    table |= {name: _whole(weight) for name, weight in layer.named_parameters() if name.endswith("norm.weight")}
     if attn.qkv_bias is not None:
         table |= {
             "self_attn.q_proj.bias": _rows(attn.qkv_bias, 0, q, q_start, q_full),

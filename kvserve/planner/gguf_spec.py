@@ -81,7 +81,7 @@ def hf_config_from_gguf(get: Any, tensor_names: set[str], source: str) -> dict[s
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "sliding_window": meta("attention.sliding_window"),
     }
-    config |= _gguf_window_pattern(meta("attention.sliding_window_pattern"), num_layers)
+    config |= gguf_window_pattern(meta("attention.sliding_window_pattern"), num_layers)
     config |= _gguf_moe(meta, arch)
     if meta("attention.kv_lora_rank"):
         config |= _gguf_mla(meta)
@@ -106,7 +106,8 @@ def _vocab_size(get: Any, source: str) -> int:
     return len(tokens)
 
 
-def _gguf_window_pattern(pattern: Any, num_layers: int) -> dict[str, Any]:
+def gguf_window_pattern(pattern: Any, num_layers: int) -> dict[str, Any]:
+    """`attention.sliding_window_pattern` (one flag a layer, or a period) as config.json keys."""
     if isinstance(pattern, list) and len(pattern) >= num_layers:
         return {"layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern[:num_layers]]}
     if isinstance(pattern, int) and pattern > 0:
