@@ -26,6 +26,7 @@ import torch
 
 from kvserve.config import ModelLoadError
 from kvserve.model.quant_weight import QUANT_LINEAR_TYPES, QuantPart
+from kvserve.planner.gguf_spec import gguf_window_pattern
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)
@@ -36,6 +37,7 @@ DEFAULT_ALIGNMENT = 32
 GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 # convert_hf_to_gguf interleaves the rotary halves of q_proj/k_proj rows for these architectures only.
@@ -67,6 +69,24 @@ LAYER_TENSOR_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 names its four norms a layer differently: its ffn_norm is the MLP's input norm, and the post-attention
+# norm normalizes the attention output (convert_hf_to_gguf's tensor_mapping: ATTN_POST_NORM, FFN_PRE_NORM...).
+GEMMA3_LAYER_TENSOR_NAMES = LAYER_TENSOR_NAMES | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+ARCH_LAYER_TENSOR_NAMES = {"gemma3": GEMMA3_LAYER_TENSOR_NAMES}
+# Architectures whose norm weights convert_hf_to_gguf stored as 1 + weight (Gemma's norms multiply by 1 + weight);
+# reading them subtracts the 1 again, as transformers does, so the model holds the checkpoint's own weight.
+SHIFTED_NORM_ARCHITECTURES = frozenset({"gemma3"})
+# llama.cpp's defaults for Gemma 3 files that do not say: the sliding layers' rope base and the pattern (five
+# sliding layers, then a full one); a 27B (62 layers) scales attention by hidden / heads instead of head_dim.
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
+
 # Tensors that are not parameters: llama.cpp's per-dimension RoPE factors (llama3 scaling), which
 # read_gguf_config turns back into `rope_scaling`.
 NON_PARAMETER_TENSORS = frozenset({"rope_freqs.weight"})
@@ -377,7 +397,25 @@ def gguf_config(contents: GGUFContents) -> dict[str, Any]:
     rope_scaling = _rope_scaling(contents, arch, rope_theta, int(head_dim))
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    if arch == "gemma3":
+        config |= _gemma3_config(arch_value, config)
     return config
+
+
+def _gemma3_config(arch_value: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 3 keys llama.cpp keeps as metadata or hard-codes (llama-model.cpp's gemma3 hparams)."""
+    num_layers, window = config["num_hidden_layers"], arch_value("attention.sliding_window")
+    scalar = config["hidden_size"] // config["num_attention_heads"] if num_layers == GEMMA3_27B_LAYERS else config["head_dim"]
+    extra = {
+        "query_pre_attn_scalar": scalar,
+        "rope_local_base_freq": float(arch_value("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        "final_logit_softcapping": arch_value("final_logit_softcapping"),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    if window:
+        extra["sliding_window"] = int(window)
+        extra |= gguf_window_pattern(arch_value("attention.sliding_window_pattern"), num_layers)
+    return extra
 
 
 def _vocab_size(contents: GGUFContents, arch: str) -> int:
@@ -489,11 +527,14 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype, skip: frozenset[str] = froz
     the names in `skip` (held as blocks instead: iter_gguf_quant_parts)."""
     contents = read_gguf(path)
     arch = gguf_architecture(contents)
-    planned = [(info, hf_tensor_name(contents.path, info)) for info in contents.tensors]
+    planned = [(info, hf_tensor_name(contents.path, info, arch)) for info in contents.tensors]
     for info, _ in planned:
         _check_supported_type(contents.path, info)
     for info, hf_name in planned:
         if hf_name is None or hf_name in skip:
+            continue
+        if arch in SHIFTED_NORM_ARCHITECTURES and hf_name.endswith("norm.weight"):
+            yield hf_name, (_read_tensor(contents, info, torch.float32) - 1.0).to(dtype)
             continue
         tensor = _read_tensor(contents, info, dtype)
         heads = _permuted_heads(contents, arch, hf_name)
@@ -506,7 +547,7 @@ def iter_gguf_quant_parts(path: str) -> Iterator[tuple[str, QuantPart]]:
     contents = read_gguf(path)
     arch = gguf_architecture(contents)
     for info in contents.tensors:
-        hf_name = hf_tensor_name(contents.path, info)
+        hf_name = hf_tensor_name(contents.path, info, arch)
         if hf_name is None or len(info.gguf_shape) != 2 or info.ggml_type not in QUANT_LINEAR_TYPES:
             continue
         _check_supported_type(contents.path, info)
@@ -539,16 +580,18 @@ def _permuted_heads(contents: GGUFContents, arch: str, hf_name: str) -> int | No
     return _qk_head_count(contents, arch, projection)
 
 
-def hf_tensor_name(path: str, info: GGUFTensorInfo) -> str | None:
-    """The HF parameter name for a GGUF tensor; None for tensors that are not parameters."""
+def hf_tensor_name(path: str, info: GGUFTensorInfo, arch: str = "llama") -> str | None:
+    """The HF parameter name for a GGUF tensor of a file of architecture `arch`; None for tensors that are not
+    parameters."""
     if info.name in NON_PARAMETER_TENSORS:
         return None
     if info.name in GLOBAL_TENSOR_NAMES:
         return GLOBAL_TENSOR_NAMES[info.name]
     prefix, _, rest = info.name.partition(".")
     layer, _, suffix = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and suffix in LAYER_TENSOR_NAMES:
-        return f"model.layers.{int(layer)}.{LAYER_TENSOR_NAMES[suffix]}"
+    layer_names = ARCH_LAYER_TENSOR_NAMES.get(arch, LAYER_TENSOR_NAMES)
+    if prefix == "blk" and layer.isdigit() and suffix in layer_names:
+        return f"model.layers.{int(layer)}.{layer_names[suffix]}"
     raise ModelLoadError(f"{path}: unexpected tensor {info.name!r}; kvserve does not know this parameter")
 
 

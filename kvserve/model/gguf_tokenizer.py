@@ -9,6 +9,7 @@ Where transformers and llama.cpp disagree, this follows transformers:
 - "smollm" (and other names transformers has no split for) uses the GPT-2 byte-level regex; llama.cpp
   isolates every digit first, which changes runs of whitespace just before a digit ("x =  42", "\\n\\n1.").
 - SentencePiece vocabularies always get a "▁" prefix; llama.cpp honours tokenizer.ggml.add_space_prefix.
+  Gemma's (architecture gemma, gemma2, gemma3) get none, as transformers' GemmaTokenizer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gguf
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 from kvserve.config import ModelLoadError
@@ -125,8 +126,11 @@ def build_gguf_tokenizer(path: str, metadata: dict[str, Any]) -> GGUFTokenizerDa
         raise ModelLoadError(
             f"{path}: unsupported tokenizer.ggml.model {vocab.model!r}; kvserve builds {', '.join(TOKENIZER_BUILDERS)}"
         )
-    backend = TOKENIZER_BUILDERS[vocab.model](vocab)
     named = {name: vocab.token(metadata, key) for name, key in NAMED_SPECIAL_TOKEN_KEYS.items()}
+    if vocab.model == "llama" and metadata.get("general.architecture") in GEMMA_ARCHITECTURES:
+        backend = build_gemma_sentencepiece(vocab, named["unk"])
+    else:
+        backend = TOKENIZER_BUILDERS[vocab.model](vocab)
     special_tokens = _add_special_tokens(backend, vocab, [token for token in named.values() if token is not None])
     # SentencePiece files from before the flag existed get BOS, as llama.cpp and transformers both do.
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", vocab.model == "llama")) and named["bos"] is not None
@@ -242,6 +246,28 @@ def build_sentencepiece_bpe(vocab: GGUFVocab) -> Tokenizer:
             decoders.Fuse(),
             decoders.Strip(content=" ", left=1, right=0),
         ]
+    )
+    return backend
+
+
+GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def build_gemma_sentencepiece(vocab: GGUFVocab, unk_token: str | None) -> Tokenizer:
+    """Gemma's SentencePiece BPE as transformers' GemmaTokenizer builds it from a GGUF file (its
+    gguf_tokenizer_mapping.gemma_tokenizer): spaces become "▁" with no prefix space, bytes fall back to <0xNN>,
+    and the merges come from the vocabulary ordered by position in the file (Gemma's scores do not follow its
+    merge order). Tokens of two or more spaces are stored as spaces and looked up as "▁"s."""
+    tokens = [SENTENCEPIECE_SPACE * len(token) if " " in token and not token.strip() else token
+              for token in vocab.tokens]
+    token_ids = {token: index for index, token in enumerate(tokens)}
+    merges = merges_from_scores(tokens, [-float(index) for index in range(len(tokens))], token_ids)
+    backend = Tokenizer(BPE(vocab=token_ids, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None,
+                            unk_token=unk_token))
+    backend.normalizer = normalizers.Replace(" ", SENTENCEPIECE_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(SENTENCEPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     return backend
 
