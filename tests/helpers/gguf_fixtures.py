@@ -50,6 +50,15 @@ LLAMA_LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 3's layer norms as convert_hf_to_gguf names them (its ffn_norm is the MLP's input norm).
+GEMMA3_LAYER_NAMES = LLAMA_LAYER_NAMES | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+LAYER_NAMES = {"gemma3": GEMMA3_LAYER_NAMES}
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -94,11 +103,11 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf_name]
     _, _, layer, suffix = hf_name.split(".", 3)
-    return f"blk.{layer}.{LLAMA_LAYER_NAMES[suffix]}"
+    return f"blk.{layer}.{LAYER_NAMES.get(arch, LLAMA_LAYER_NAMES)[suffix]}"
 
 
 def llama_cpp_permute(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -115,6 +124,8 @@ def gguf_tensor_data(arch: str, hf_name: str, tensor: torch.Tensor, num_heads: i
         tensor = llama_cpp_permute(tensor, num_heads)
     elif arch == "llama" and ".k_proj." in hf_name:
         tensor = llama_cpp_permute(tensor, num_kv_heads)
+    elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+        tensor = tensor + 1.0  # Gemma3Model.norm_shift: the file holds 1 + weight
     return tensor.float().numpy()
 
 
@@ -189,7 +200,7 @@ def write_model_gguf(
             data = gguf_tensor_data(arch, hf_name, tensor, num_heads, num_kv_heads)
             chosen = next((t for suffix, t in (tensor_types or {}).items() if hf_name.endswith(suffix)), tensor_type)
             array, raw_dtype = encode_tensor(data, chosen)
-            writer.add_tensor(gguf_tensor_name(hf_name), array, raw_dtype=raw_dtype)
+            writer.add_tensor(gguf_tensor_name(hf_name, arch), array, raw_dtype=raw_dtype)
     for name, (array, raw_dtype) in (extra_tensors or {}).items():
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
     writer.write_header_to_file()
@@ -210,13 +221,35 @@ def _write_model_metadata(writer: gguf.GGUFWriter, arch: str, config: dict) -> N
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    rope = config.get("rope_parameters") or {}
+    rope_theta = config.get("rope_theta") or rope.get("full_attention", rope).get("rope_theta", 10000.0)
     writer.add_rope_freq_base(rope_theta)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_rope_dimension_count(head_dim)
     if arch == "llama":
         writer.add_vocab_size(config["vocab_size"])
+    if arch == "gemma3":
+        _write_gemma3_metadata(writer, config, head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+
+def _write_gemma3_metadata(writer: gguf.GGUFWriter, config: dict, head_dim: int) -> None:
+    """What convert_hf_to_gguf's Gemma3Model writes beyond the common keys, plus the per-layer window flags newer
+    writers carry (llama.cpp reads them, else assumes five sliding layers then a full one)."""
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    if config.get("layer_types"):
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+    rope = config.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {}
+    if full.get("rope_type", "default") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    if (local_theta := (rope.get("sliding_attention") or {}).get("rope_theta")) is not None:
+        writer.add_rope_freq_base_swa(local_theta)
 
 
 def write_tokenizer_metadata(writer: gguf.GGUFWriter, spec: TokenizerSpec) -> None:

@@ -1,4 +1,4 @@
-"""Small random Llama / Qwen2 / Mistral checkpoints built with transformers (fixed seeds), saved as HF folders.
+"""Small random Llama / Qwen2 / Mistral / Gemma 3 checkpoints built with transformers (fixed seeds), saved as HF folders.
 
 These are the reference models of the test suite: kvserve must compute what transformers computes on them.
 """
@@ -36,6 +36,22 @@ ARCHITECTURES = {
     ),
     "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0),
     "mistral": dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=24),
+    # Gemma 3: windows of 8 (prompts run several times past them), both layer kinds, per-kind rope bases; a
+    # query_pre_attn_scalar unlike head_dim so the attention scale is visible. GQA 4:1 here, one KV head below
+    # with linear rope scaling on the full layers (as Gemma 3 4B+ has).
+    "gemma3": dict(
+        tie_word_embeddings=True, num_hidden_layers=5, num_attention_heads=8, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"],
+        query_pre_attn_scalar=24, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
+    ),
+    "gemma3-mqa": dict(
+        tie_word_embeddings=True, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+        sliding_window=12, sliding_window_pattern=3, query_pre_attn_scalar=64,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    ),
 }
 
 
@@ -64,10 +80,12 @@ def build_model(kind: str, seed: int = 0, **overrides):
     config_classes = {
         "llama": transformers.LlamaConfig, "llama3": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig,
+        "gemma3": transformers.Gemma3TextConfig, "gemma3-mqa": transformers.Gemma3TextConfig,
     }
     model_classes = {
         "llama": transformers.LlamaForCausalLM, "llama3": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM, "mistral": transformers.MistralForCausalLM,
+        "gemma3": transformers.Gemma3ForCausalLM, "gemma3-mqa": transformers.Gemma3ForCausalLM,
     }
     config = config_classes[kind](**(BASE | ARCHITECTURES[kind] | overrides))
     torch.manual_seed(seed)
