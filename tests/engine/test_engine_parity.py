@@ -52,7 +52,7 @@ def references(tiny_model_dir):
 
 
 def run_engine(folder, **engine_args) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=512, **engine_args)
+    llm = LLM(str(folder), **(dict(dtype="float32", device="cpu", max_model_len=512) | engine_args))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(make_prompts(), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm
@@ -69,33 +69,29 @@ CONFIGS = {
     "one-batch": dict(num_gpu_blocks_override=512),
     "chunked-prefill": dict(num_gpu_blocks_override=512, max_num_batched_tokens=64),
     "preemption": dict(num_gpu_blocks_override=40, max_num_batched_tokens=128),
-    "preemption-under-windows": dict(num_gpu_blocks_override=12, max_num_batched_tokens=128),
     "no-prefix-caching": dict(num_gpu_blocks_override=512, enable_prefix_caching=False, max_num_batched_tokens=100),
 }
 
 
-# Layers with a sliding window hold only the blocks their window covers (Mistral's 24 tokens: two or three a
-# request), so the pool that preempts full attention does not preempt them; the smaller one does.
-WINDOWED_KINDS = ("mistral",)
+# Pools that preempt each model: layers with a sliding window hold only the blocks their window covers (Mistral's
+# 24 tokens: two or three a request); Gemma 3's blocks hold one group's 2 or 3 layers (kv_groups.py), and a
+# shorter max-model-len lets the pool be small enough to preempt.
+PREEMPTING_POOL = {"llama": {}, "qwen2": {}, "mistral": dict(num_gpu_blocks_override=12),
+                   "gemma3": dict(num_gpu_blocks_override=40, max_model_len=320),
+                   "gemma3-mqa": dict(num_gpu_blocks_override=50, max_model_len=320)}
 
 
-def _cases():
-    for kind in ("llama", "qwen2", "mistral"):
-        for config in CONFIGS:
-            if config == "preemption-under-windows" and kind not in WINDOWED_KINDS:
-                continue
-            if config == "preemption" and kind in WINDOWED_KINDS:
-                continue
-            yield kind, config
-
-
-@pytest.mark.parametrize(("kind", "config"), list(_cases()))
+@pytest.mark.parametrize("kind", list(PREEMPTING_POOL))
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_matches_transformers(kind, config, references):
     folder, expected = references(kind)
-    got, llm = run_engine(folder, **CONFIGS[config])
+    engine_args = CONFIGS[config]
+    if config == "preemption":
+        engine_args = engine_args | PREEMPTING_POOL[kind]
+    got, llm = run_engine(folder, **engine_args)
     for index, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"{kind}/{config}: prompt {index} ({PROMPT_LENGTHS[index]} tokens) diverged"
-    if config.startswith("preemption"):
+    if config == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0, "the small pool should have forced preemptions"
     assert_all_blocks_free(llm)
 
