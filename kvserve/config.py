@@ -222,6 +222,8 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     disable_cascade_attn: bool = False  # vLLM's flag: decodes sharing prefix blocks read them each on their own
+    # vLLM's flag: one block table for every layer, sliding-window layers keeping every token's K/V as the others do
+    disable_hybrid_kv_cache_manager: bool = False
     gguf_weights: str = "blocks"  # blocks: held as the file's blocks; dequantized: to bf16/fp32 at load
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

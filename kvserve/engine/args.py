@@ -18,6 +18,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-cascade-attn", action="store_true",
                        help="decodes that share cached prefix blocks read them each on their own, instead of once "
                             "per step for the group (CPU kernels)")
+    group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="one block table for all layers: sliding-window layers (Gemma 2/3, Mistral) keep the K/V "
+                            "of every token as full-attention layers do, instead of only their window's")
     group.add_argument("--gguf-weights", default="blocks", choices=GGUF_WEIGHTS,
                        help="how a GGUF file's quantized matrices are held on CPU: blocks (default: the file's own "
                             "bytes, read in place) or dequantized (to the compute dtype at load: about 3.5x the "
@@ -62,6 +65,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         seed=args.seed,
         disable_cascade_attn=args.disable_cascade_attn,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         gguf_weights=args.gguf_weights,
         cache=CacheConfig(
             block_size=args.block_size,

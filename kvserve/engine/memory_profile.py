@@ -94,7 +94,6 @@ def _decode_forward(config: EngineConfig, loaded: LoadedModel, device: torch.dev
         context_lens=torch.full((num_seqs,), length, dtype=torch.long, device=device),
         max_context_len=length,
         block_size=block_size,
-        sliding_window=loaded.config.sliding_window,
         max_gather_tokens=gather_tokens,
     )
     paged = PagedAttentionMetadata(slot_mapping=torch.zeros(num_seqs, dtype=torch.long, device=device), decode=group)

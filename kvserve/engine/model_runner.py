@@ -100,7 +100,6 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
             max_context_len=max(context_lens),
             block_size=self.block_size,
-            sliding_window=window,
             kernel=self.decode_kernel,
             max_gather_tokens=self.max_gather_tokens,
             shared_prefixes=shared,

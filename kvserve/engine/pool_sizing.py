@@ -95,9 +95,9 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
     cache = config.cache
     spec = spec_from_hf_config(loaded.hf_config, source=str(loaded.path))
     kv_name = kv_format_name(config, loaded)
+    layout = kv_layout(spec, hybrid=not config.disable_hybrid_kv_cache_manager)
     block_bytes = kv_pool_block_bytes(spec, cache.block_size, kv_name, _dtype_name(loaded.dtype),
-                                      config.parallel.tensor_parallel_size)
-    layout = kv_layout(spec)
+                                      config.parallel.tensor_parallel_size, layout=layout)
     model_limit = loaded.config.max_position_embeddings
     if (config.scheduler.max_model_len or 0) > model_limit:
         raise ValueError(

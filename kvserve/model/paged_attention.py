@@ -53,7 +53,6 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [num_decodes] int64, including the new token
     max_context_len: int  # max(context_lens), from the host: reading a CUDA tensor would sync mid-forward
     block_size: int
-    sliding_window: int | None
     # The compiled CPU kernel (paged_decode_attention) that reads blocks in place; None: the portable gather path.
     kernel: Callable | None = None
     # The portable path gathers at most this many padded context tokens per layer at once (whole sequences, at
@@ -78,7 +77,7 @@ class DecodeGroup:
 
     def gather_chunks(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
         """Per chunk of at most rows_per_gather sequences: (its rows, context slots [rows, max_len] padded with
-        slot 0, mask [rows, 1, 1, max_len]). One chunk's plan is built once and shared by every layer; when the
+        slot 0, mask [rows, 1, 1, max_len] of each context's tokens; a layer's window is its own). One chunk's plan is built once and shared by every layer; when the
         batch needs several, each is rebuilt per layer, so at most one chunk's plan is alive at a time."""
         rows = self.rows_per_gather
         if rows >= self.num_decodes:
@@ -99,9 +98,13 @@ class DecodeGroup:
         lengths = self.context_lens[rows].unsqueeze(1)
         mask = key_pos < lengths
         slots = slots.masked_fill(~mask, 0)
-        if self.sliding_window is not None:
-            mask &= key_pos > lengths - 1 - self.sliding_window
         return slots, mask.view(slots.shape[0], 1, 1, max_len)
+
+    def window_mask(self, rows: slice, window: int) -> torch.Tensor:
+        """[rows, 1, 1, max_len]: the keys inside each sequence's last `window` positions."""
+        key_pos = torch.arange(self.max_context_len, device=self.context_lens.device).unsqueeze(0)
+        inside = key_pos > self.context_lens[rows].unsqueeze(1) - 1 - window
+        return inside.view(inside.shape[0], 1, 1, -1)
 
 
 @dataclass(slots=True)
@@ -162,8 +165,10 @@ def _decode(attn, q: torch.Tensor, kv_cache: LayerKVCache, group: DecodeGroup, o
     num_decodes = group.num_decodes
     q_dec = q[:num_decodes]
     if group.kernel is not None:
+        window = attn.sliding_window
+        shared = group.shared_prefixes if window is None else None  # shared parts are read without a window
         result = group.kernel(q_dec.contiguous(), kv_cache, group.block_tables, group.context_lens, attn.scale,
-                              group.sliding_window or 0, group.shared_prefixes)
+                              window or 0, shared)
         out[:num_decodes] = result.view(num_decodes, -1)
         return
     out[:num_decodes] = _decode_portable(attn, q_dec, kv_cache, group)
@@ -175,7 +180,10 @@ def _decode_portable(attn, q_dec: torch.Tensor, kv_cache: LayerKVCache, group: D
     Not SDPA: torch's CPU flash kernel is built for long queries and is several times slower for one query per
     sequence. Query heads are grouped under their KV head (GQA) so K/V are never repeated.
     """
-    outputs = [_attend_padded(attn, q_dec[rows], kv_cache, slots, mask) for rows, slots, mask in group.gather_chunks()]
+    window = attn.sliding_window
+    outputs = [_attend_padded(attn, q_dec[rows], kv_cache, slots,
+                              mask if window is None else mask & group.window_mask(rows, window))
+               for rows, slots, mask in group.gather_chunks()]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 

@@ -168,9 +168,11 @@ def kv_block_bytes(
     return layers * kv_layer_block_bytes(spec, fmt, block_size, tensor_parallel_size)
 
 
-def kv_layout(spec: ModelSpec, pipeline_parallel_size: int = 1) -> KVCacheLayout:
-    """How the pool groups the layers of the most loaded stage by what their KV keeps (kv_groups.py)."""
-    return kv_cache_layout([spec.layer_window(layer) for layer in kv_layers_per_gpu(spec, pipeline_parallel_size)])
+def kv_layout(spec: ModelSpec, pipeline_parallel_size: int = 1, hybrid: bool = True) -> KVCacheLayout:
+    """How the pool groups the layers of the most loaded stage by what their KV keeps (kv_groups.py); without
+    `hybrid` (--disable-hybrid-kv-cache-manager), one group keeping every token for every layer."""
+    layers = kv_layers_per_gpu(spec, pipeline_parallel_size)
+    return kv_cache_layout([spec.layer_window(layer) if hybrid else None for layer in layers])
 
 
 def kv_pool_block_bytes(
@@ -180,11 +182,13 @@ def kv_pool_block_bytes(
     model_dtype: str = "bfloat16",
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    layout: KVCacheLayout | None = None,
 ) -> int:
     """Bytes of one pool block: block_size tokens of K and V (scales included) for the layers one block holds, every
-    layer for a model whose layers attend alike, one group's for a model that mixes windows and full attention."""
+    layer for a model whose layers attend alike, one group's for a model that mixes windows and full attention
+    (`layout`, default kv_layout's)."""
     layers = len(kv_layers_per_gpu(spec, pipeline_parallel_size))
-    slots = kv_layout(spec, pipeline_parallel_size).num_slots
+    slots = (layout or kv_layout(spec, pipeline_parallel_size)).num_slots
     return kv_block_bytes(spec, block_size, kv_cache_dtype, model_dtype, tensor_parallel_size,
                           pipeline_parallel_size) // layers * slots
 

@@ -184,3 +184,21 @@ def test_mistral_with_a_window_on_every_layer_is_one_window_group(tmp_path):
     llm = _engine(tmp_path, num_gpu_blocks_override=64)
     assert llm.engine.pool.layout.windows == (24,)
     assert torch.is_tensor(llm.engine.runner.kv_caches[0].key)
+
+
+def test_disabling_the_hybrid_manager_keeps_every_token_with_the_same_tokens(windowed_qwen2):
+    """--disable-hybrid-kv-cache-manager (vLLM's flag): one table for all layers, nothing given back; the window
+    layers still attend over their window only (the decode kernel and the portable path take it per layer)."""
+    folder, expected = windowed_qwen2
+    llm = _engine(folder, num_gpu_blocks_override=28, max_num_batched_tokens=32, max_num_seqs=4,
+                  disable_hybrid_kv_cache_manager=True)
+    assert llm.engine.pool.layout.windows == (None,) and llm.engine.pool.block_bytes == 3 * 16 * 2 * 2 * 16 * 4
+    assert _generate(llm) == expected
+    runner = llm.engine.runner
+    runner.decode_kernel = runner.prefill_kernel = None  # the portable path, as CUDA runs it
+    assert _generate(llm) == expected
+    _assert_all_free(llm)
+    hybrid = _engine(folder, num_gpu_blocks_override=3 * 28)  # the same bytes as 28 blocks of all three layers
+    one_table = llm.engine.pool
+    assert one_table.pool_bytes == hybrid.engine.pool.pool_bytes
+    assert hybrid.engine.pool.blocks_per_request(200) < one_table.blocks_per_request(200) * 3

@@ -7,9 +7,10 @@ from kvserve.cache.storage.kv_storage import LayerKVCache, allocate_kv_storage
 
 
 class Spec:
-    def __init__(self, num_heads, num_kv_heads, head_dim):
+    def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window=None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
 
 
 def reference(q, cache, tables, lens, spec, block_size, window):

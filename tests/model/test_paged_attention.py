@@ -34,14 +34,14 @@ def decode_case(dtype, heads, kv_heads, head_dim, window, cache_dtype=None):
 def test_portable_path_matches_dense_attention(dtype, heads, kv_heads, head_dim, window):
     cache, tables, lens, q = decode_case(dtype, heads, kv_heads, head_dim, window)
     num_seqs, block_size = q.shape[0], 16
-    spec = Spec(heads, kv_heads, head_dim)
+    spec = Spec(heads, kv_heads, head_dim, window)
     expected = reference(q, cache, tables, lens, spec, block_size, window)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    group = DecodeGroup(tables, lens, int(lens.max()), block_size, window)
+    group = DecodeGroup(tables, lens, int(lens.max()), block_size)
     portable = _decode_portable(spec, q.view(num_seqs, -1), cache, group).float()
     assert (portable - expected).abs().max().item() < tolerance
     # A gather bound of 250 tokens takes two sequences of the 100-token context at a time (three chunks).
-    bounded = DecodeGroup(tables, lens, int(lens.max()), block_size, window, max_gather_tokens=250)
+    bounded = DecodeGroup(tables, lens, int(lens.max()), block_size, max_gather_tokens=250)
     assert bounded.rows_per_gather == 2
     assert torch.equal(_decode_portable(spec, q.view(num_seqs, -1), cache, bounded).float(), portable)
 
