@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--gpu", help="catalog GPU (A100-80GB, H100, L4, ...; see --list-gpus); without --gpu and "
                                      "--gpu-memory: the model's own figures (weights, KV per token and per request)")
     model.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory per GPU in GiB, for any other card")
+    model.add_argument("--kv-cache-memory", type=float, metavar="GIB",
+                       help="without a GPU: the KV pool of a CPU server (kvserve serve's flag), adding each KV "
+                            "dtype's requests it holds")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
     model.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
     model.add_argument("--dtype", default="auto", choices=MODEL_DTYPE_CHOICES,
@@ -154,6 +157,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     return PlanRequest(
         gpu=args.gpu,
         gpu_memory_gib=args.gpu_memory,
+        kv_cache_memory_gib=args.kv_cache_memory,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization,

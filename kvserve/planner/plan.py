@@ -31,7 +31,7 @@ from kvserve.planner.kv_groups import KVCacheLayout
 from kvserve.planner.parallel import validate_parallelism
 from kvserve.planner.quant import quant_from_flag
 from kvserve.planner.specs import ModelSpec
-from kvserve.planner.units import format_bytes, format_count
+from kvserve.planner.units import GiB, format_bytes, format_count
 from kvserve.planner.weights import WeightEstimate, estimate_weights
 
 # vLLM's defaults (online serving on GPUs under 70 GiB; vLLM raises them to 8192/1024 on larger non-A100 GPUs).
@@ -65,6 +65,7 @@ class PlanRequest:
     avg_context_len: int | None = None
     target_concurrency: int | None = None
     activation_reserve_gib: float | None = None
+    kv_cache_memory_gib: float | None = None  # a CPU server's pool (kvserve serve --kv-cache-memory), no GPU
 
 
 @dataclass(slots=True, frozen=True)
@@ -139,6 +140,7 @@ class KVCost:
     per_token: Figure
     per_request: Figure  # one request at --max-model-len
     per_avg_request: Figure | None  # one request at --avg-context-len, when given
+    pool_requests: Figure | None = None  # requests a --kv-cache-memory pool holds at avg-context-len (or max-model-len)
 
 
 @dataclass(slots=True)
@@ -180,13 +182,29 @@ def _kv_cost(spec: ModelSpec, request: PlanRequest, kv_cache_dtype: str, model_d
     layout = kv_layout(spec, pp)
     fmt = kv_format(kv_cache_dtype, model_dtype)
     avg = request.avg_context_len
+    pool = None
+    if request.kv_cache_memory_gib:
+        staging = kv_key_staging_bytes(spec, bs, request.max_num_seqs, kv_cache_dtype, model_dtype, tp, pp)
+        pool = _cpu_pool_figure(request.kv_cache_memory_gib, staging, block_bytes, layout, avg or max_model_len, bs)
     return KVCost(
         kv_cache_dtype, fmt, _per_token_figure(spec, fmt, per_token, tp, pp),
         _request_figure("kv_per_request", "max-model-len", max_model_len, layout.blocks_per_request(max_model_len, bs),
                         block_bytes),
         _request_figure("kv_per_avg_request", "avg-context-len", avg, layout.blocks_per_request(avg, bs), block_bytes)
         if avg else None,
+        pool,
     )
+
+
+def _cpu_pool_figure(gib: float, staging_bytes: int, block_bytes: int, layout: KVCacheLayout, context_len: int,
+                     block_size: int) -> Figure:
+    """What the CPU engine does with --kv-cache-memory (engine/pool_sizing.py): whole blocks of the pool less int4's
+    key staging, and the requests of `context_len` tokens they hold."""
+    num_blocks = num_blocks_for_pool(int(gib * GiB) - staging_bytes, block_bytes)
+    per_request = layout.blocks_per_request(context_len, block_size)
+    value = num_blocks / per_request
+    return Figure("cpu_pool_requests", f"Requests at {context_len:,} in {gib:g} GiB", value, f"{value:,.2f}",
+                  f"{num_blocks:,} blocks ÷ {per_request:,} blocks per request = {value:,.2f}")
 
 
 def make_plan(spec: ModelSpec, request: PlanRequest) -> Plan:

@@ -66,13 +66,20 @@ def _kv_cost_table(cost: ModelCost) -> Table:
     table.add_column(first.per_request.label, justify="right", no_wrap=True)
     if first.per_avg_request is not None:
         table.add_column(first.per_avg_request.label, justify="right", no_wrap=True)
+    if first.pool_requests is not None:
+        table.add_column(first.pool_requests.label, justify="right", no_wrap=True)
     table.add_column("Arithmetic (per token)", overflow="fold")
     for kv in cost.kv_costs:
         name = kv.kv.name if kv.kv_cache_dtype == kv.kv.name else f"{kv.kv_cache_dtype} ({kv.kv.name})"
         row = [name, kv.per_token.text, kv.per_request.text]
         if kv.per_avg_request is not None:
             row.append(kv.per_avg_request.text)
-        table.add_row(*row, kv.per_token.formula)
+        if kv.pool_requests is not None:
+            row.append(kv.pool_requests.text)
+        formula = kv.per_token.formula
+        if kv.pool_requests is not None:
+            formula += f"; pool: {kv.pool_requests.formula}"
+        table.add_row(*row, formula)
     return table
 
 

@@ -71,7 +71,8 @@ def model_cost_to_dict(cost: ModelCost) -> dict[str, Any]:
                 "kv_bytes_per_token": kv.per_token.value,
                 "kv_bytes_per_request_at_max_model_len": kv.per_request.value,
                 "kv_bytes_per_request_at_avg_context_len": kv.per_avg_request.value if kv.per_avg_request else None,
-                "figures": {f.key: _figure_dict(f) for f in (kv.per_token, kv.per_request, kv.per_avg_request) if f},
+                "figures": {f.key: _figure_dict(f)
+                            for f in (kv.per_token, kv.per_request, kv.per_avg_request, kv.pool_requests) if f},
             }
             for kv in cost.kv_costs
         ],

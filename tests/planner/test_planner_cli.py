@@ -206,3 +206,15 @@ def test_reference_table(capsys):
 def test_list_gpus(capsys):
     assert main(["plan", "--list-gpus"]) == 0
     assert "A100-80GB" in capsys.readouterr().out
+
+
+def test_cpu_pool_counts_gemma3_window_groups_as_the_engine_allocates_them(capsys):
+    # Gemma 3 1B: 22 of 26 layers on a 512-token window, 4 global. A pool block holds 4 layers (one group's): the
+    # global group, and 6 window groups (the last with 2 of its 4 slots used). 16 tokens x K,V x 1 head x 256 x 2 B
+    # = 16 KiB a layer, so 64 KiB a block; at 8,192 tokens a request holds 512 global blocks and 32 per window group.
+    result = _run_json(capsys, ["plan", "--model", "google/gemma-3-1b-it", "--kv-cache-memory", "1",
+                                "--max-model-len", "8192", "--avg-context-len", "8192"])
+    bf16 = next(kv for kv in result["kv_cache_dtypes"] if kv["kv_cache_dtype"] == "auto")
+    pool = bf16["figures"]["cpu_pool_requests"]
+    assert pool["value"] == 2**30 // (4 * 16 * 1024) / (512 + 6 * 32)
+    assert bf16["kv_bytes_per_request_at_max_model_len"] == (512 + 6 * 32) * 4 * 16 * 1024
