@@ -30,11 +30,13 @@ def calibration_text() -> str:
 
 def calibrate_key_offsets(runner: ModelRunner, storage: list[LayerKVCache], token_ids: list[int]) -> int:
     """Measures every layer's key offset on the first CALIBRATION_TOKENS of `token_ids`. Returns how many."""
-    rotary = runner.model.rotary
-    token_ids = token_ids[:min(CALIBRATION_TOKENS, rotary.max_positions)]
+    model = runner.model
+    token_ids = token_ids[:min(CALIBRATION_TOKENS, model.rotary.max_positions)]
     num_tokens, block_size = len(token_ids), runner.block_size
     num_blocks = -(-num_tokens // block_size)
-    scratch = calibration_caches(storage, num_blocks, slow_channels(rotary.inv_freq, rotary.max_positions))
+    rotaries = [model.rotary_of(layer) for layer in range(len(storage))]  # Gemma 3: a table per layer kind
+    channels = [slow_channels(rotary.inv_freq, rotary.max_positions) for rotary in rotaries]
+    scratch = calibration_caches(storage, num_blocks, channels)
     positions = list(range(num_tokens))
     pool, runner.kv_caches = runner.kv_caches, scratch
     try:

@@ -23,6 +23,7 @@ from kvserve.model.llama import ForwardStep, LlamaForCausalLM, SelfAttention
 from kvserve.model.rotary import RotaryEmbedding
 from kvserve.model.tensor_parallel import WHOLE_MODEL, TensorShard, all_reduce
 
+
 class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight), all in fp32, rounded once to x's dtype."""
 
@@ -87,6 +88,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                                             config.rope_local_base_freq, RopeScaling())
         # HF multiplies by sqrt(hidden) rounded to the weights' dtype.
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5).to(dtype))
+
+    def rotary_of(self, layer_index: int) -> RotaryEmbedding:
+        return self.local_rotary if self.layers[layer_index].is_sliding else self.rotary
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super()._embed(input_ids) * self.embed_scale

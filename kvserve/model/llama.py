@@ -116,6 +116,10 @@ class LlamaForCausalLM(torch.nn.Module):
         # fp8 KV scales a checkpoint carries (`model.layers.N.self_attn.k_scale` / `v_scale`): layer -> (k, v).
         self.checkpoint_kv_scales: dict[int, tuple[float | None, float | None]] = {}
 
+    def rotary_of(self, layer_index: int) -> RotaryEmbedding:
+        """The rotary table a layer's q and k turn by (one for every layer here)."""
+        return self.rotary
+
     def hold_quant_weights(self, weights: dict[str, QuantWeight]) -> None:
         """Replaces parameters ("layers.0.mlp.gate_up_proj", "embed_tokens") by their checkpoint blocks, read in
         place from then on (quant_weight.py)."""

@@ -36,7 +36,7 @@ def windowed_qwen2(tmp_path_factory):
 
 
 def _engine(folder, **kwargs) -> LLM:
-    return LLM(str(folder), dtype="float32", device="cpu", max_model_len=256, **kwargs)
+    return LLM(str(folder), **(dict(dtype="float32", device="cpu", max_model_len=256) | kwargs))
 
 
 def _generate(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
@@ -202,3 +202,20 @@ def test_disabling_the_hybrid_manager_keeps_every_token_with_the_same_tokens(win
     one_table = llm.engine.pool
     assert one_table.pool_bytes == hybrid.engine.pool.pool_bytes
     assert hybrid.engine.pool.blocks_per_request(200) < one_table.blocks_per_request(200) * 3
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_gemma3_quantized_pool_calibrates_each_layer_kind_on_its_own_rotary(tiny_model_dir, kv_cache_dtype):
+    """Gemma 3's sliding layers turn by their own rope base: each layer's key offset is measured on the channels
+    its own table turns slowly, and a padded group (3 window layers in groups of 2) shares slots like the rest."""
+    folder, _ = tiny_model_dir("gemma3")
+    roomy = _engine(folder, num_gpu_blocks_override=256, kv_cache_dtype=kv_cache_dtype)
+    model = roomy.engine.runner.model
+    assert model.rotary_of(0) is model.local_rotary and model.rotary_of(2) is model.rotary
+    assert roomy.engine.pool.layout.windows == (8, 8, None)
+    expected = _generate(roomy)
+    tight = _engine(folder, kv_cache_dtype=kv_cache_dtype, num_gpu_blocks_override=24, max_num_batched_tokens=32,
+                    max_num_seqs=4, max_model_len=160)
+    assert _generate(tight) == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    _assert_all_free(tight)

@@ -150,13 +150,13 @@ class LayerKVCache:
         return self.codec.decode(rows, row_scales, dtype, tensor_scale)
 
 
-def calibration_caches(layers: list[LayerKVCache], num_blocks: int, channels: torch.Tensor) -> list[LayerKVCache]:
+def calibration_caches(layers: list[LayerKVCache], num_blocks: int, channels: list[torch.Tensor]) -> list[LayerKVCache]:
     """Scratch caches of `num_blocks` blocks in the (quantized) layers' own format, writer and scale state, which
-    measure their key offsets in `channels` (and fp8 scales, when the layers are calibrating) on their first
+    measure their key offsets in their `channels` (one per layer; and fp8 scales, when the layers are calibrating) on their first
     write: a calibration forward runs over these, so it never touches the pool and the pool's size never changes
     it."""
     scratch = []
-    for layer in layers:
+    for layer, layer_channels in zip(layers, channels, strict=True):
         _, block_size, num_kv_heads, _ = layer.key.shape
         stage = layer.key_stage  # one staging row: the calibration forward is one sequence
         fresh = _quantized_layer(layer.codec, num_blocks, block_size, num_kv_heads, layer.key.device, layer.rotation,
@@ -164,7 +164,7 @@ def calibration_caches(layers: list[LayerKVCache], num_blocks: int, channels: to
         if layer.key_tensor_scale is not None:
             fresh.key_tensor_scale.copy_(layer.key_tensor_scale)
             fresh.value_tensor_scale.copy_(layer.value_tensor_scale)
-        fresh.calibrating, fresh.writer, fresh.key_offset_channels = layer.calibrating, layer.writer, channels
+        fresh.calibrating, fresh.writer, fresh.key_offset_channels = layer.calibrating, layer.writer, layer_channels
         fresh.group = layer.group
         scratch.append(fresh)
     return scratch
