@@ -219,3 +219,18 @@ def test_gemma3_quantized_pool_calibrates_each_layer_kind_on_its_own_rotary(tiny
     assert _generate(tight) == expected
     assert tight.engine.scheduler.num_preemptions > 0
     _assert_all_free(tight)
+
+
+def test_disk_tier_brings_every_groups_blocks_back_after_a_restart(windowed_qwen2, tmp_path):
+    folder, expected = windowed_qwen2
+    args = dict(num_gpu_blocks_override=64, kv_offloading_size=64 * 16 * 2 * 2 * 16 * 4 / 2**30,
+                kv_disk_path=str(tmp_path / "kv"))
+    first = _engine(folder, **args)
+    assert _generate(first) == expected
+    first.close()  # saves what the pool caches to the disk tier
+    again = _engine(folder, **args)
+    assert _generate(again) == expected
+    disk = again.engine.tiers.tier("disk")
+    assert disk.stats.hits > 0
+    _assert_all_free(again)
+    again.close()
