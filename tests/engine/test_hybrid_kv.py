@@ -234,3 +234,23 @@ def test_disk_tier_brings_every_groups_blocks_back_after_a_restart(windowed_qwen
     assert disk.stats.hits > 0
     _assert_all_free(again)
     again.close()
+
+
+# A pool that preempts each: Gemma 3's blocks hold 2 or 3 layers of one group, Mistral's (one window group) all 3.
+TIGHT = {"gemma3": 24, "gemma3-mqa": 30, "mistral": 7}
+
+
+@pytest.mark.parametrize("kind", list(TIGHT))
+def test_windowed_models_match_transformers_through_preemption_chunks_and_hits(tiny_model_dir, kind):
+    """Prompts several times the window (8, 12 and 24 tokens), a shared prefix hit past the window on the second
+    pass, chunked prefill and preemption: the tokens stay transformers'."""
+    folder, hf_model = tiny_model_dir(kind)
+    expected = [reference_greedy(hf_model, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+    llm = _engine(folder, num_gpu_blocks_override=TIGHT[kind], max_num_batched_tokens=32, max_num_seqs=4,
+                  max_model_len=160)
+    assert _generate(llm) == expected
+    hits = llm.engine.kv_cache.stats.hits
+    assert _generate(llm) == expected
+    assert llm.engine.kv_cache.stats.hits > hits
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_all_free(llm)
