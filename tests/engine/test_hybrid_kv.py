@@ -254,3 +254,18 @@ def test_windowed_models_match_transformers_through_preemption_chunks_and_hits(t
     assert llm.engine.kv_cache.stats.hits > hits
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_all_free(llm)
+
+
+def test_start_up_concurrency_is_kvserve_plans(tiny_model_dir):
+    """`kvserve plan --kv-cache-memory` and the engine's start-up log give the same requests per pool."""
+    from kvserve.planner.plan import PlanRequest, model_cost
+    from kvserve.planner.spec_loader import load_spec
+
+    folder, _ = tiny_model_dir("gemma3")
+    llm = _engine(folder, kv_cache_memory=0.002)
+    pool = llm.engine.pool
+    engine_figure = pool.num_blocks / pool.blocks_per_request(256)
+    assert f"maximum concurrency at max-model-len 256: {engine_figure:.2f}x" in pool.describe()
+    request = PlanRequest(kv_cache_memory_gib=0.002, max_model_len=256, avg_context_len=256, dtype="float32")
+    planned = model_cost(load_spec(str(folder)), request).kv_costs[0].pool_requests.value
+    assert planned == engine_figure
