@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvserve.planner.budget import max_model_len_for_blocks, max_model_len_for_seqs, max_num_seqs_for_blocks
 from kvserve.planner.errors import PlannerError
 from kvserve.planner.gpus import GPU_CATALOG
 from kvserve.planner.parallel import valid_tp_sizes
@@ -62,26 +61,26 @@ def _solves(candidate: Plan, original: Plan) -> bool:
 
 def _limit_fixes(plan: Plan) -> list[Fix]:
     """Shrink the limits to what this pool holds: the largest --max-model-len and --max-num-seqs that fit."""
-    request, bs, fixes = plan.request, plan.request.block_size, []
+    request, fixes = plan.request, []
     if plan.verdict.status == STARTUP_ERROR:
-        longest = max_model_len_for_blocks(plan.num_blocks, bs)
-        if longest >= bs:
+        longest = plan.longest_context(1)
+        if longest >= request.block_size:
             fixes.append(Fix(f"--max-model-len {longest}", "the longest request this pool holds: the server starts, "
                              "one request at a time at that length", plan.verdict.workload_fits is not False))
     solves_worst_case = plan.verdict.workload_fits is not False
     if plan.verdict.status != FITS:
-        max_len = min(max_model_len_for_seqs(plan.num_blocks, bs, request.max_num_seqs), plan.max_model_len)
+        max_len = min(plan.longest_context(request.max_num_seqs), plan.max_model_len)
         if max_len >= _SHORTEST_USEFUL_MAX_MODEL_LEN:
             effect = f"{request.max_num_seqs} × {max_len:,} tokens fit; longer prompts are rejected"
             fixes.append(Fix(f"--max-model-len {max_len}", effect, solves_worst_case))
-        seqs = max_num_seqs_for_blocks(plan.num_blocks, bs, plan.max_model_len)
+        seqs = plan.requests_held(plan.max_model_len)
         if seqs >= 1:
             fixes.append(Fix(f"--max-num-seqs {seqs}",
                              f"{seqs} × {plan.max_model_len:,} tokens fit; more requests queue instead of "
                              "being preempted", solves_worst_case))
     if plan.verdict.workload_fits is False and plan.num_blocks:
         avg = request.avg_context_len
-        seqs_at_avg = max_num_seqs_for_blocks(plan.num_blocks, bs, avg)
+        seqs_at_avg = plan.requests_held(avg)
         if seqs_at_avg >= 1:
             fixes.append(Fix(f"--max-num-seqs {seqs_at_avg}",
                              f"what this pool holds at {avg:,} tokens: {seqs_at_avg} of the "
@@ -103,7 +102,8 @@ def _replan_fix(plan: Plan, change: str, **overrides: object) -> Fix | None:
 def _summary(plan: Plan) -> str:
     if plan.pool_bytes <= 0:
         return f"still does not load ({plan.verdict.headline.split(': ', 1)[-1]})"
-    parts = [f"pool {format_bytes(plan.pool_bytes)} = {plan.tokens_in_pool:,} tokens",
+    held = f"{plan.num_blocks:,} blocks" if plan.layout.is_hybrid else f"{plan.tokens_in_pool:,} tokens"
+    parts = [f"pool {format_bytes(plan.pool_bytes)} = {held}",
              f"{plan.concurrency(plan.max_model_len):.1f} requests at {plan.max_model_len:,}"]
     if plan.request.avg_context_len:
         parts.append(f"{plan.concurrency(plan.request.avg_context_len):.1f} at {plan.request.avg_context_len:,}")

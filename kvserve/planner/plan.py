@@ -121,6 +121,18 @@ class Plan:
     def concurrency(self, context_len: int) -> float:
         return max(self.num_blocks, 0) / self.blocks_per_request(context_len)
 
+    def requests_held(self, context_len: int) -> int:
+        """Whole requests of `context_len` tokens the pool holds at once."""
+        return max(self.num_blocks, 0) // self.blocks_per_request(context_len)
+
+    def longest_context(self, num_seqs: int) -> int:
+        """The longest context of which `num_seqs` requests fit together (0 when not even one token does)."""
+        fits, too_long = 0, self.spec.max_position_embeddings + 1
+        while too_long - fits > 1:  # blocks per request grow with the context: bisect
+            middle = (fits + too_long) // 2
+            fits, too_long = (middle, too_long) if self.requests_held(middle) >= num_seqs else (fits, middle)
+        return fits
+
     def figure(self, key: str) -> Figure:
         return next(f for f in self.figures if f.key == key)
 
