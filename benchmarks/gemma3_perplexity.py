@@ -68,6 +68,23 @@ def kvserve_perplexity(model_path: Path, token_ids: list[int], ctx: int, dtype: 
     return math.exp(nll / count), count
 
 
+def engine_perplexity(model_path: Path, token_ids: list[int], ctx: int, dtype: str, chunk: int) -> float:
+    """The same windows through kvserve's engine: the paged pool (sliding-window layers giving their blocks back as
+    the prompt advances, hybrid KV), prefilled `chunk` tokens a step, the targets' logprobs from prompt_logprobs."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(str(model_path), dtype=dtype, max_model_len=ctx + 1, max_num_batched_tokens=chunk,
+              enable_prefix_caching=False)
+    try:
+        windows = chunk_windows(token_ids, ctx, llm.get_tokenizer().bos_token_id)
+        outputs = llm.generate([{"prompt_token_ids": window} for window in windows],
+                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        llm.close()
+    scored = [output.prompt_logprobs[position] for output in outputs for position in range(ctx // 2 + 1, ctx)]
+    return math.exp(-sum(entry.logprob for entry in scored) / len(scored))
+
+
 def llama_cpp_perplexity(binary: str, model_path: Path, text: str, ctx: int, chunks: int, threads: int) -> float:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8", delete=False) as file:
         file.write(text)
@@ -98,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--llama-perplexity", default=os.environ.get("LLAMA_PERPLEXITY", DEFAULT_LLAMA_PERPLEXITY))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--engine-chunk", type=int, default=256,
+                        help="also score through the engine, prefilling this many tokens a step (0: skip)")
     args = parser.parse_args(argv)
     model = args.model or (fetch(GEMMA3_270M) if args.fetch else local_copy(GEMMA3_270M))
     if model is None:
@@ -120,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ours, scored = kvserve_perplexity(model, token_ids[: args.num_tokens], args.ctx, args.dtype)
     print(f"kvserve   PPL = {ours:.4f} ({scored} tokens scored, --dtype {args.dtype}, "
           f"{time.perf_counter() - started:.1f} s)", flush=True)
+    if args.engine_chunk:
+        served = engine_perplexity(model, token_ids[: args.num_tokens], args.ctx, args.dtype, args.engine_chunk)
+        print(f"kvserve   PPL = {served:.4f} through the engine's paged pool, {args.engine_chunk}-token chunks", flush=True)
     if not Path(args.llama_perplexity).is_file():
         print(f"llama-perplexity not found at {args.llama_perplexity}; kvserve's figure alone")
         return 0
