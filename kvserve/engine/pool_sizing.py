@@ -60,17 +60,18 @@ class PoolPlan:
 
     def describe(self) -> str:
         concurrency = self.num_blocks / self.blocks_per_request(self.max_model_len)
-        groups = ""
-        if self.layout is not None and self.layout.is_hybrid:
-            windows = ", ".join("full" if w is None else f"window {w}" for w in self.layout.windows)
-            groups = (f"; {len(self.layout.groups)} KV cache groups of {self.layout.num_slots} layers ({windows}), "
-                      "a block holds one group's")
-        return (
-            f"KV cache pool: {self.pool_bytes / GIB:.2f} GiB ({self.source}) = {self.num_blocks} blocks x "
-            f"{self.block_size} tokens = {self.num_tokens} tokens of {self.kv_format} KV "
-            f"({self.block_bytes / self.block_size:,.0f} B/token, scales included{groups}); maximum concurrency at "
-            f"max-model-len {self.max_model_len}: {concurrency:.2f}x"
-        )
+        layout = self.layout
+        if layout is not None and layout.is_hybrid:
+            windows = ", ".join("full" if w is None else f"window {w}" for w in layout.windows)
+            held = (f"{self.num_blocks} blocks x {self.block_size} tokens of one KV cache group's {layout.num_slots} "
+                    f"layers ({len(layout.groups)} groups: {windows}), {self.kv_format} KV "
+                    f"({self.block_bytes / self.block_size / layout.num_slots:,.0f} B per token and layer, scales "
+                    "included)")
+        else:
+            held = (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens of "
+                    f"{self.kv_format} KV ({self.block_bytes / self.block_size:,.0f} B/token, scales included)")
+        return (f"KV cache pool: {self.pool_bytes / GIB:.2f} GiB ({self.source}) = {held}; maximum concurrency at "
+                f"max-model-len {self.max_model_len}: {concurrency:.2f}x")
 
 
 def kv_storage_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
