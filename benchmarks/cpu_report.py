@@ -8,7 +8,8 @@ transformers), on the demo model and on real-size ones, each figure next to this
 Models (GGUF files, the same file for kvserve and llama-server):
   demo  the demo model's own Q4_1 GGUF (SmolLM2-135M-Instruct);
   qwen  Qwen2.5-Coder-1.5B-Instruct Q4_K_M (real weights; --qwen PATH);
-  3b    random weights in Llama-3.2-3B's shape, Q4_K_M, built by benchmarks/random_llama.py (--random-3b DIR).
+  3b    random weights in Llama-3.2-3B's shape, Q4_K_M, built by benchmarks/random_llama.py (--random-3b DIR);
+  gemma3  Gemma 3 270M Q4_K_M (real weights, sliding-window layers; benchmarks/real_models.py fetches it).
 vLLM reads a bf16 Hugging Face folder: made from the GGUF by transformers (demo, qwen; cached in --hf-cache), or
 for the 3b the bf16 folder the GGUF was converted from. So vLLM serves bf16 weights, not the file's blocks.
 
@@ -50,6 +51,7 @@ from machine_bounds import describe  # noqa: E402
 from model_bounds import ModelCost, fraction, gguf_cost  # noqa: E402
 from process_memory import tree_rss_bytes  # noqa: E402
 from random_llama import output_paths  # noqa: E402
+from real_models import GEMMA3_270M, fetch  # noqa: E402
 from run_all import ServerProcess, ServerSpec, SuiteError, demo_gguf, kvserve_spec, llama_server_spec  # noqa: E402
 from vllm_peer import hf_folder_from_gguf, vllm_spec  # noqa: E402
 from workloads import shared_prefix_workload  # noqa: E402
@@ -64,7 +66,7 @@ SINGLE_STREAM_TOKENS = 128
 PREFILL_TOKENS = 2000
 A_OUTPUT, A_SHARED = 64, 400
 ENGINES = ("kvserve", "llama-server", "vllm-default", "vllm-both", "transformers")
-MODELS = ("demo", "qwen", "3b")
+MODELS = ("demo", "qwen", "3b", "gemma3")
 STARTUP_TIMEOUT_S = 1800.0  # vLLM compiles at start; kvserve dequantizes a 3B model: minutes on 2 busy cores
 
 
@@ -101,6 +103,8 @@ def models(args: argparse.Namespace) -> list[Model]:
             paths = output_paths(args.random_3b)
             chosen.append(Model("3b", "Llama-3.2-3B shape, random, Q4_K_M", paths["q4_k_m"], paths["hf"],
                                 "bf16 folder the GGUF was made from"))
+        elif key == "gemma3":
+            chosen.append(Model("gemma3", "Gemma 3 270M Q4_K_M", fetch(GEMMA3_270M), None, "bf16 from the GGUF"))
         else:
             raise SystemExit(f"--models: unknown model {key!r} (known: {', '.join(MODELS)})")
     for model in chosen:
