@@ -143,7 +143,10 @@ def test_a_burst_of_conversation_turns_is_held_to_the_limit_with_their_histories
     """A turn sends only its new message; the stored history the gateway puts before it is a prompt too, known
     only after admission. It must count against the limit before the turn is sent, or a burst of short turns on
     long conversations is all admitted and served many times the limit."""
-    limit = 600
+    # Each turn is admitted on its own estimate (38 tokens) before its history (~240) is reserved: even when all 16
+    # admissions land before the first history does (608 tokens), that one must still fit, so one turn is served
+    # whatever the threads' order, and the 16 histories (~4,400 tokens) cannot.
+    limit = 1000
     key, key_id = new_key(redis, limit)
     conversations = [f"long-{index}" for index in range(16)]
     said = "Tell me about the paged block pool and how prefix caching shares blocks between requests. " * 2
