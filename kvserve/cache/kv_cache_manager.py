@@ -232,8 +232,16 @@ class KVCacheManager:
                 return num_blocks
 
     def _group_hit_length(self, group: int, block_hashes: list[BlockHash], longest: int, has) -> int:
-        """The longest hit of at most `longest` blocks whose blocks from the group's first needed one are there."""
+        """The longest hit of at most `longest` blocks whose blocks from the group's first needed one are there.
+        Full attention needs every block: the chain from the first, up to its first miss (nothing past it is asked
+        for, so the tiers read no payload in vain). A window needs a run of blocks that ends the hit: found from
+        the end."""
         window, size = self.group_windows[group], self.block_size
+        if window is None:
+            for index in range(longest):
+                if not has(self.cache_key(group, block_hashes[index])):
+                    return index
+            return longest
         num_blocks = longest
         for index in range(longest - 1, -1, -1):
             if index < first_needed_block(window, num_blocks * size, size):

@@ -15,7 +15,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.memory_profile import activation_peak_bytes
 from kvserve.model.loader import DTYPES, LoadedModel
 from kvserve.planner.budget import kv_pool_bytes, memory_budget_bytes, num_blocks_for_pool
-from kvserve.planner.kv import kv_format, kv_key_staging_bytes, kv_layout, kv_pool_block_bytes
+from kvserve.planner.kv import kv_block_bytes, kv_format, kv_key_staging_bytes, kv_layout
 from kvserve.planner.kv_groups import KVCacheLayout
 from kvserve.planner.specs import spec_from_hf_config
 
@@ -97,8 +97,8 @@ def plan_kv_pool(config: EngineConfig, loaded: LoadedModel, device: torch.device
     spec = spec_from_hf_config(loaded.hf_config, source=str(loaded.path))
     kv_name = kv_format_name(config, loaded)
     layout = kv_layout(spec, hybrid=not config.disable_hybrid_kv_cache_manager)
-    block_bytes = kv_pool_block_bytes(spec, cache.block_size, kv_name, _dtype_name(loaded.dtype),
-                                      config.parallel.tensor_parallel_size, layout=layout)
+    block_bytes = kv_block_bytes(spec, cache.block_size, kv_name, _dtype_name(loaded.dtype),
+                                 config.parallel.tensor_parallel_size, layout=layout)
     model_limit = loaded.config.max_position_embeddings
     if (config.scheduler.max_model_len or 0) > model_limit:
         raise ValueError(

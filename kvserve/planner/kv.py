@@ -158,13 +158,16 @@ def kv_block_bytes(
     model_dtype: str = "bfloat16",
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    layout: KVCacheLayout | None = None,
 ) -> int:
-    """Bytes of one block (block_size tokens) across all layers, K and V, scales included, on one GPU."""
+    """Bytes of one block (block_size tokens), K and V, scales included, on one GPU: across all layers, or with
+    `layout` (kv_layout) one pool block, the layers one block holds (one group's for a model mixing windows and full
+    attention)."""
     if block_size <= 0:
         raise PlannerError(f"--block-size must be positive, got {block_size}")
     validate_parallelism(spec, tensor_parallel_size, pipeline_parallel_size)
     fmt = kv_format(kv_cache_dtype, model_dtype)
-    layers = len(kv_layers_per_gpu(spec, pipeline_parallel_size))
+    layers = len(kv_layers_per_gpu(spec, pipeline_parallel_size)) if layout is None else layout.num_slots
     return layers * kv_layer_block_bytes(spec, fmt, block_size, tensor_parallel_size)
 
 
@@ -173,24 +176,6 @@ def kv_layout(spec: ModelSpec, pipeline_parallel_size: int = 1, hybrid: bool = T
     `hybrid` (--disable-hybrid-kv-cache-manager), one group keeping every token for every layer."""
     layers = kv_layers_per_gpu(spec, pipeline_parallel_size)
     return kv_cache_layout([spec.layer_window(layer) if hybrid else None for layer in layers])
-
-
-def kv_pool_block_bytes(
-    spec: ModelSpec,
-    block_size: int,
-    kv_cache_dtype: str = "auto",
-    model_dtype: str = "bfloat16",
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    layout: KVCacheLayout | None = None,
-) -> int:
-    """Bytes of one pool block: block_size tokens of K and V (scales included) for the layers one block holds, every
-    layer for a model whose layers attend alike, one group's for a model that mixes windows and full attention
-    (`layout`, default kv_layout's)."""
-    layers = len(kv_layers_per_gpu(spec, pipeline_parallel_size))
-    slots = (layout or kv_layout(spec, pipeline_parallel_size)).num_slots
-    return kv_block_bytes(spec, block_size, kv_cache_dtype, model_dtype, tensor_parallel_size,
-                          pipeline_parallel_size) // layers * slots
 
 
 KEY_STAGING_MAX_ROWS = 128

@@ -21,11 +21,11 @@ from kvserve.planner.kv import (
     KVFormat,
     explain_kv_bytes_per_token,
     format_bytes_exact,
+    kv_block_bytes,
     kv_bytes_per_token,
     kv_format,
     kv_key_staging_bytes,
     kv_layout,
-    kv_pool_block_bytes,
 )
 from kvserve.planner.kv_groups import KVCacheLayout
 from kvserve.planner.parallel import validate_parallelism
@@ -99,7 +99,7 @@ class Plan:
     max_model_len: int
     target_concurrency: int
     kv_bytes_per_token: int
-    block_bytes: int  # one pool block (kv.kv_pool_block_bytes)
+    block_bytes: int  # one pool block (kv.kv_block_bytes with the layout)
     layout: KVCacheLayout
     weights: WeightEstimate
     activation: ActivationReserve
@@ -190,8 +190,8 @@ def _kv_cost(spec: ModelSpec, request: PlanRequest, kv_cache_dtype: str, model_d
              max_model_len: int) -> KVCost:
     tp, pp, bs = request.tensor_parallel_size, request.pipeline_parallel_size, request.block_size
     per_token = kv_bytes_per_token(spec, kv_cache_dtype, model_dtype, tp, pp, bs)
-    block_bytes = kv_pool_block_bytes(spec, bs, kv_cache_dtype, model_dtype, tp, pp)
     layout = kv_layout(spec, pp)
+    block_bytes = kv_block_bytes(spec, bs, kv_cache_dtype, model_dtype, tp, pp, layout)
     fmt = kv_format(kv_cache_dtype, model_dtype)
     avg = request.avg_context_len
     pool = None
@@ -227,7 +227,8 @@ def make_plan(spec: ModelSpec, request: PlanRequest) -> Plan:
     tp, pp = request.tensor_parallel_size, request.pipeline_parallel_size
     max_model_len = _resolve_max_model_len(spec, request.max_model_len)
     per_token = kv_bytes_per_token(spec, request.kv_cache_dtype, model_dtype, tp, pp, request.block_size)
-    block_bytes = kv_pool_block_bytes(spec, request.block_size, request.kv_cache_dtype, model_dtype, tp, pp)
+    layout = kv_layout(spec, pp)
+    block_bytes = kv_block_bytes(spec, request.block_size, request.kv_cache_dtype, model_dtype, tp, pp, layout)
     weights = estimate_weights(spec, model_dtype, quant_from_flag(request.quantization), tp, pp)
     reserve = _activation(spec, request, model_dtype)
     budget = memory_budget_bytes(gpu.memory_bytes, request.gpu_memory_utilization)
@@ -244,7 +245,7 @@ def make_plan(spec: ModelSpec, request: PlanRequest) -> Plan:
         target_concurrency=request.target_concurrency or request.max_num_seqs,
         kv_bytes_per_token=per_token,
         block_bytes=block_bytes,
-        layout=kv_layout(spec, pp),
+        layout=layout,
         weights=weights,
         activation=reserve,
         budget_bytes=budget,
