@@ -213,6 +213,7 @@ class ParallelConfig:
 
 
 GGUF_WEIGHTS = ("blocks", "dequantized")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 
 
 @dataclass(slots=True)
@@ -225,6 +226,8 @@ class EngineConfig:
     # vLLM's flag: one block table for every layer, sliding-window layers keeping every token's K/V as the others do
     disable_hybrid_kv_cache_manager: bool = False
     gguf_weights: str = "blocks"  # blocks: held as the file's blocks; dequantized: to bf16/fp32 at load
+    attention_backend: str = "auto"  # vLLM's flag: auto | cpu | triton | torch (model/attention_backend.py)
+    enforce_eager: bool = False  # vLLM's flag: no CUDA graphs for decode steps
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -265,6 +268,9 @@ class EngineConfig:
 
     def validate(self) -> None:
         cache, sched = self.cache, self.scheduler
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.gguf_weights not in GGUF_WEIGHTS:
             raise ValueError(f"--gguf-weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if cache.block_size <= 0 or cache.block_size > 1024:

@@ -1,7 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# The Triton kernels' tests run them on CPU tensors through Triton's interpreter, which must be chosen before
+# triton is first imported (its own library functions are defined then). With a GPU they compile instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 

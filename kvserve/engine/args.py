@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.config import GGUF_WEIGHTS, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvserve.config import ATTENTION_BACKENDS, GGUF_WEIGHTS, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +21,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="one block table for all layers: sliding-window layers (Gemma 2/3, Mistral) keep the K/V "
                             "of every token as full-attention layers do, instead of only their window's")
+    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                       help="the attention kernels: auto (cpu on CPU, triton on CUDA), cpu (the C++ kernels), triton "
+                            "(on CPU tensors only under Triton's interpreter: for tests), torch (the portable path)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode steps op by op instead of replaying captured CUDA graphs")
     group.add_argument("--gguf-weights", default="blocks", choices=GGUF_WEIGHTS,
                        help="how a GGUF file's quantized matrices are held on CPU: blocks (default: the file's own "
                             "bytes, read in place) or dequantized (to the compute dtype at load: about 3.5x the "
@@ -67,6 +72,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         disable_cascade_attn=args.disable_cascade_attn,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         gguf_weights=args.gguf_weights,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         cache=CacheConfig(
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,

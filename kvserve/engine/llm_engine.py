@@ -114,6 +114,7 @@ class LLMEngine:
         idle_seconds = cache_cfg.kv_idle_offload_seconds
         self.idle_sessions = IdleSessions(idle_seconds) if idle_seconds is not None else None
         self.runner = rank.runner
+        logger.info("attention: the %s backend's kernels; %s", self.runner.attention.name, rank.cuda_graphs)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
         self.child_parent: dict[str, str] = {}

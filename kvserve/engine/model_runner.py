@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.cache.storage.kv_storage import LayerKVCache
+from kvserve.engine.cuda_graphs import Capture, CudaGraphCapture, DecodeBuffers, DecodeGraphs, capture_sizes
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.engine.shared_prefix import find_shared_prefixes
 from kvserve.engine.step_plan import PromptSpan, StepInputs, StepPlan
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.cpu_kernels import cpu_kernels, decode_kernel, kv_writer, prefill_kernel
+from kvserve.model.attention_backend import attention_kernels
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSegment
 
@@ -34,24 +35,64 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache], block_size: int,
                  device: torch.device, max_gather_tokens: int | None = None, cascade_attention: bool = True,
-                 group_windows: tuple[int | None, ...] | None = None) -> None:
+                 group_windows: tuple[int | None, ...] | None = None, attention_backend: str = "auto") -> None:
         """`group_windows`: each KV cache group's sliding window (planner/kv_groups.py; default: one group with the
-        model's window)."""
+        model's window). `attention_backend`: --attention-backend (model/attention_backend.py)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.max_gather_tokens = max_gather_tokens  # the portable decode path's bound (see DecodeGroup)
         self.group_windows = group_windows or (model.config.sliding_window,)
-        kernels = cpu_kernels() if device.type == "cpu" else None
-        # The CPU kernels for this model and cache format; None: the portable torch path.
-        self.decode_kernel = decode_kernel(kernels, model.dtype, kv_caches[0])
-        # Shared prefixes read once per group of sequences (cascade attention): the CPU decode kernel's, in the
-        # KV cache groups without a window.
+        # The backend's kernels for this model and cache format; a part without one runs the portable torch path.
+        self.attention = attention_kernels(attention_backend, device, model.dtype, model.config.head_dim, kv_caches[0])
+        self.decode_kernel = self.attention.decode
+        # Shared prefixes read once per group of sequences (cascade attention): the decode kernels', in the KV
+        # cache groups without a window.
         self.cascade_attention = cascade_attention and self.decode_kernel is not None
-        self.prefill_kernel = prefill_kernel(kernels, model.dtype, model.config.head_dim, kv_caches[0])
+        self.prefill_kernel = self.attention.prefill
         for layer_cache in kv_caches:  # new K/V: one call per layer (quantizing: instead of ~25 torch ops)
-            layer_cache.writer = kv_writer(kernels, layer_cache)
+            layer_cache.writer = self.attention.writer(layer_cache)
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+
+    def graphs_unavailable(self) -> str | None:
+        """Why decode steps cannot be captured as CUDA graphs here, or None when they can."""
+        if self.device.type != "cuda":
+            return "not on CUDA"
+        if not self.attention.graph_safe:
+            return f"the {self.attention.name} attention backend launches from the host"
+        if any(layer.writer is None for layer in self.kv_caches):
+            return "this KV format is written by torch ops (int4's per-block keys)"
+        return None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: Capture | None = None) -> int:
+        """Captures a decode forward per batch-size bucket (cuda_graphs.py), after the KV pool's key offsets and
+        scales are final (a graph reads the tensors it was captured with); returns how many. `capture`: CUDA's
+        (default) or, in tests, cuda_graphs.eager_capture."""
+        sizes = capture_sizes(max_num_seqs)
+        max_blocks = -(-max_model_len // self.block_size)
+        buffers = DecodeBuffers.allocate(sizes[-1], len(self.group_windows), max_blocks, self.device)
+        with torch.inference_mode():
+            self.decode_graphs = DecodeGraphs(buffers, sizes, self._graph_forward, capture or CudaGraphCapture())
+        return len(sizes)
+
+    def _graph_forward(self, buffers: DecodeBuffers, size: int):
+        """The forward of a step of `size` decodes over the buffers' first rows, as a graph captures it."""
+        paged = tuple(PagedAttentionMetadata(
+            slot_mapping=buffers.slots[group, :size],
+            decode=DecodeGroup(block_tables=buffers.block_tables[group, :size],
+                               context_lens=buffers.context_lens[group, :size],
+                               max_context_len=buffers.max_blocks * self.block_size, block_size=self.block_size,
+                               kernel=self.decode_kernel))
+            for group in range(len(self.group_windows)))
+        metadata = AttentionMetadata(query_start_loc=list(range(size + 1)), num_computed_tokens=[0] * size,
+                                     paged=paged[0] if len(paged) == 1 else paged)
+
+        def forward() -> torch.Tensor:
+            return self.model(buffers.token_ids[:size], buffers.positions[:size], metadata, kv_caches=self.kv_caches,
+                              logits_indices=buffers.logits_rows[:size])
+
+        return forward
 
     @staticmethod
     def logits_of(plan: StepPlan, logits: torch.Tensor) -> StepLogits:
@@ -61,6 +102,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of `inputs.logits_rows` ([rows, vocab]); None on tensor-parallel ranks other than 0."""
+        if self.decode_graphs is not None and not self._shares_prefixes(inputs):
+            logits = self.decode_graphs.replay(inputs)
+            if logits is not None:
+                return logits
         return self.model(
             torch.tensor(inputs.token_ids, device=self.device),
             torch.tensor(inputs.positions, device=self.device),
@@ -68,6 +113,14 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             logits_indices=torch.tensor(inputs.logits_rows, device=self.device, dtype=torch.long),
         )
+
+    def _shares_prefixes(self, inputs: StepInputs) -> bool:
+        """Whether decodes share prefix blocks that cascade attention reads once (an eager step's gain, which a
+        captured graph, reading each context on its own, would lose)."""
+        if not self.cascade_attention or inputs.num_decodes < 2:
+            return False
+        return any(find_shared_prefixes(tables[:inputs.num_decodes], self.block_size) is not None
+                   for tables, window in zip(inputs.block_tables, self.group_windows) if window is None)
 
     def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
         """The attention metadata: one PagedAttentionMetadata per KV cache group (a tuple when there are several;

@@ -5,6 +5,7 @@ every rank, so one block table addresses all of them) and the runner over both."
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class RankState:
     runner: ModelRunner
     fp8_scales: str | None  # where the fp8 scales came from, for the log; None: not an fp8 pool
     calibration_tokens: int = 0  # tokens of the start-up text a quantized pool measured its key offsets on
+    cuda_graphs: str = ""  # what became of CUDA graphs for decode steps, for the log
 
     def describe_pool(self) -> str:
         if self.shard.size == 1:
@@ -56,10 +58,28 @@ def build_rank(config: EngineConfig, device: torch.device, shard: TensorShard,
     scales = set_fp8_scales(storage, loaded.model.checkpoint_kv_scales, cache_cfg.calculate_kv_scales)
     runner = ModelRunner(loaded.model, storage, cache_cfg.block_size, device,
                          max_gather_tokens=decode_gather_tokens(config.scheduler),
-                         cascade_attention=not config.disable_cascade_attn, group_windows=pool.layout.windows)
+                         cascade_attention=not config.disable_cascade_attn, group_windows=pool.layout.windows,
+                         attention_backend=config.attention_backend)
     calibration_tokens = 0
     if storage[0].quantized:
         # Every rank runs the same forward in step, so its collectives pair up.
         token_ids = loaded.tokenizer.encode(calibration_text())
         calibration_tokens = calibrate_key_offsets(runner, storage, token_ids)
-    return RankState(shard, loaded, pool, storage, runner, scales, calibration_tokens)
+    graphs = capture_decode_graphs(config, runner, pool.max_model_len)
+    return RankState(shard, loaded, pool, storage, runner, scales, calibration_tokens, graphs)
+
+
+def capture_decode_graphs(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> str:
+    """Captures the decode steps' CUDA graphs unless --enforce-eager or the set-up rules them out; says which."""
+    if config.enforce_eager:
+        return "CUDA graphs: off (--enforce-eager)"
+    why_not = runner.graphs_unavailable()
+    if why_not is None and config.parallel.tensor_parallel_size > 1:
+        why_not = "tensor parallelism (its collectives run eagerly)"
+    if why_not is not None:
+        return f"CUDA graphs: off ({why_not})"
+    started = time.perf_counter()
+    count = runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
+    sizes = runner.decode_graphs.sizes
+    return (f"CUDA graphs: {count} decode batch sizes captured ({sizes[0]} to {sizes[-1]}) in "
+            f"{time.perf_counter() - started:.1f} s")

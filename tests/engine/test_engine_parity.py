@@ -40,6 +40,11 @@ def reference_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[i
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir):
+    return greedy_references(tiny_model_dir)
+
+
+def greedy_references(tiny_model_dir):
+    """kind -> (checkpoint folder, transformers' greedy tokens for each of make_prompts()), each built once."""
     cache = {}
 
     def get(kind):
