@@ -13,6 +13,8 @@ product), each member's own part after them as above; the shared parts' partials
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -43,8 +45,7 @@ def _decode_parts(q_ptr, key_ptr, value_ptr, key_scales_ptr, value_scales_ptr, k
     start = 0
     if HAS_FIRST_TOKEN:  # the tokens before it are a shared prefix, read by _decode_shared_parts
         start = tl.load(first_token_ptr + seq).to(tl.int32)
-    if sliding_window > 0:
-        start = tl.maximum(start, context_len - sliding_window)
+    start = tl.maximum(start, tl.where(sliding_window > 0, context_len - sliding_window, 0))
     per_split = tl.cdiv(tl.cdiv(context_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = start + split * per_split
     end = tl.minimum(start + per_split, context_len)
@@ -153,9 +154,14 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device
     if device.type != "cuda":
         return 1  # the interpreter runs programs one after another: splitting only adds work
     by_length = triton.cdiv(max_context_len, SPLIT_TOKENS)
-    by_occupancy = triton.cdiv(4 * torch.cuda.get_device_properties(device).multi_processor_count,
-                               num_seqs * num_kv_heads)
+    by_occupancy = triton.cdiv(4 * _multiprocessors(device.index), num_seqs * num_kv_heads)
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+@functools.cache
+def _multiprocessors(device_index: int | None) -> int:
+    index = torch.cuda.current_device() if device_index is None else device_index
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def decode_attention(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -49,9 +49,8 @@ def _prefill(q_ptr, key_ptr, value_ptr, key_scales_ptr, value_scales_ptr, key_te
     q = (q * scale).to(DOT_DTYPE)
 
     last_position = num_past + tl.minimum(first_query + BLOCK_Q, num_queries) - 1
-    start = 0
-    if sliding_window > 0:
-        start = tl.maximum(num_past + first_query - sliding_window + 1, 0)
+    # Branch-free windows (0: none), so every variable keeps one type whatever the runtime value.
+    start = tl.where(sliding_window > 0, tl.maximum(num_past + first_query - sliding_window + 1, 0), 0)
     running_max = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
@@ -62,8 +61,7 @@ def _prefill(q_ptr, key_ptr, value_ptr, key_scales_ptr, value_scales_ptr, key_te
                                      value_tensor_scale_ptr, tables_ptr + seq * tables_stride, keys_at, valid,
                                      kv_head, dims, block_size, num_kv_heads, DATA_DIM, NUM_SCALES, HEAD_DIM, FORMAT)
         visible = (keys_at[None, :] <= position[:, None]) & valid[None, :] & row_mask[:, None]
-        if sliding_window > 0:
-            visible = visible & (keys_at[None, :] > position[:, None] - sliding_window)
+        visible = visible & ((keys_at[None, :] > position[:, None] - sliding_window) | (sliding_window <= 0))
         running_max, running_sum, acc = attend_tile(q, keys, values, visible, running_max, running_sum, acc,
                                                     DOT_DTYPE)
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
