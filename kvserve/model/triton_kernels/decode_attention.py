@@ -28,6 +28,8 @@ INTERPRETED_BLOCK_TOKENS = 64  # under the interpreter, whose cost is per operat
 SPLIT_TOKENS = 256  # a split covers at least this many context tokens
 MAX_SPLITS = 32
 MAX_SHARED_ROWS = 64  # query rows (members x heads of a group) one shared-prefix program scores at once
+# fp32 models' exact tile products (FMA) spill 9-10 KB per thread at 64 rows: 16 rows over 8 warps spill nothing.
+FP32_SHARED_ROWS, FP32_WARPS = 16, 8
 
 
 @triton.jit
@@ -176,7 +178,9 @@ def decode_attention(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.T
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
-    shared = _shared_chunks(shared_prefixes, group, q.device) if shared_prefixes is not None else None
+    exact = q.device.type == "cuda" and q.dtype == torch.float32  # dot_dtype's fp32 tile products
+    shared = None if shared_prefixes is None else _shared_chunks(
+        shared_prefixes, group, q.device, FP32_SHARED_ROWS if exact else MAX_SHARED_ROWS)
     shared_splits = 0 if shared is None else shared[2]
     num_parts = num_splits + shared_splits
     dim_pad = padded(head_dim, 16)
@@ -202,17 +206,18 @@ def decode_attention(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.T
             q, *kv, block_tables, members, shared_lens, part_out, part_max, part_sum, scale,
             block_tables.stride(0), block_size, num_kv_heads, num_parts, num_splits, GROUP=group,
             GROUP_PAD=padded(group), MEMBERS=members_per_chunk, HEAD_DIM=head_dim, DIM_PAD=dim_pad, **meta,
-            BLOCK_N=block_n, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype(q))
+            BLOCK_N=block_n, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype(q), num_warps=FP32_WARPS if exact else 4)
     _merge_parts[(num_seqs * num_heads,)](part_out, part_max, part_sum, out, num_parts, HEAD_DIM=head_dim,
                                           DIM_PAD=dim_pad, PARTS_PAD=padded(num_parts))
     return out
 
 
-def _shared_chunks(shared_prefixes: tuple[torch.Tensor, torch.Tensor], group: int, device: torch.device):
+def _shared_chunks(shared_prefixes: tuple[torch.Tensor, torch.Tensor], group: int, device: torch.device,
+                   max_rows: int = MAX_SHARED_ROWS):
     """(members [chunks, M] int64 -1-padded, each chunk's reader first; each decode's shared tokens [num_seqs] on
     the device; splits of the longest shared prefix; M), or None when no decode shares."""
     lens, leaders = (t.tolist() for t in shared_prefixes)
-    members_per_chunk = max(1, MAX_SHARED_ROWS // padded(group))
+    members_per_chunk = max(1, max_rows // padded(group))
     by_leader: dict[int, list[int]] = {}
     for seq, (length, leader) in enumerate(zip(lens, leaders)):
         if length > 0:

@@ -73,8 +73,12 @@ def _fp8_code(x, MANTISSA_SHIFT: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: t
 
 @triton.jit
 def decode_fp8(byte, FORMAT: tl.constexpr):
-    if FORMAT == 1:
-        return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if FORMAT == 1:  # e4m3fn from its bits: Triton has no fp8e4nv before sm_89 (A100: "not supported")
+        code = byte.to(tl.int32)
+        magnitude = code & 0x7F  # exponent field << 3 | mantissa; bias 7 -> fp32's 127 adds 120 << 3
+        normal = ((magnitude + (120 << 3)) << 20).to(tl.float32, bitcast=True)
+        value = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)  # subnormal: m x 2^-9
+        return tl.where(code >= 128, -value, value)
     return byte.to(tl.float8e5, bitcast=True).to(tl.float32)
 
 

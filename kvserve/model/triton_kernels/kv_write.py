@@ -15,6 +15,9 @@ from kvserve.model.triton_kernels.kv_formats import encode_fp8, encode_scale_byt
 from kvserve.model.triton_kernels.launch import format_id, padded
 
 TOKENS_PER_PROGRAM = 8
+# Elements of a program's [tokens, KV heads, head_dim] tile at most: 8 tokens x 32 KV heads x 128 took every
+# register and spilled (fp8, fp32); 32 x 128 takes 2 tokens a program.
+TILE_ELEMENTS = 8192
 
 
 @triton.jit
@@ -52,12 +55,13 @@ def write_kv(cache: LayerKVCache, slot_mapping: torch.Tensor, key: torch.Tensor,
         return
     fmt = format_id(cache)
     assert fmt != 4, "int4 caches are written by the torch writer (per-block key requantization)"
+    block_t = max(1, min(TOKENS_PER_PROGRAM, TILE_ELEMENTS // (padded(num_kv_heads) * padded(head_dim))))
     for source, data, scales, tensor_scale in ((key, cache.key, cache.key_scales, cache.key_tensor_scale),
                                                 (value, cache.value, cache.value_scales, cache.value_tensor_scale)):
-        _write_vectors[(triton.cdiv(num_tokens, TOKENS_PER_PROGRAM),)](
+        _write_vectors[(triton.cdiv(num_tokens, block_t),)](
             source.contiguous(), slot_mapping, data, data if scales is None else scales,
             data if tensor_scale is None else tensor_scale, num_tokens, num_kv_heads, HEAD_DIM=head_dim,
-            BLOCK_T=TOKENS_PER_PROGRAM, HEADS_PAD=padded(num_kv_heads), DIM_PAD=padded(head_dim), FORMAT=fmt)
+            BLOCK_T=block_t, HEADS_PAD=padded(num_kv_heads), DIM_PAD=padded(head_dim), FORMAT=fmt)
 
 
 def writer_for(cache: LayerKVCache):

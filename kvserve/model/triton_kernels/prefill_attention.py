@@ -19,6 +19,9 @@ from kvserve.model.triton_kernels.tiles import attend_tile, load_kv_tiles
 # Query rows (queries x heads of a group) a program scores, and keys it reads per iteration: on a GPU, and
 # under the interpreter (whose cost is per operation, not per element).
 TILE_ROWS, BLOCK_KEYS = 64, 32
+# fp32 models' tile products are exact (FMA, not tensor cores), whose operands take far more registers: at the
+# tiles above ptxas spills 15-21 KB per thread at head_dim 128; 16 rows x 16 keys over 8 warps spill nothing.
+FP32_TILE_ROWS, FP32_BLOCK_KEYS, FP32_WARPS = 16, 16, 8
 INTERPRETED_TILE_ROWS, INTERPRETED_BLOCK_KEYS = 128, 64
 
 
@@ -89,7 +92,9 @@ def prefill_attention(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.
     group = num_heads // num_kv_heads
     group_pad = padded(group)
     on_gpu = q.device.type == "cuda"
-    block_q = max(1, (TILE_ROWS if on_gpu else INTERPRETED_TILE_ROWS) // group_pad)
+    exact = on_gpu and q.dtype == torch.float32  # dot_dtype's fp32 tile products
+    tile_rows = FP32_TILE_ROWS if exact else TILE_ROWS if on_gpu else INTERPRETED_TILE_ROWS
+    block_q = max(1, tile_rows // group_pad)
     seqs, firsts = prefill_tiles(query_starts.tolist(), block_q)
     if not seqs:
         return
@@ -100,5 +105,5 @@ def prefill_attention(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.
         torch.tensor(seqs, dtype=torch.int64, device=device), torch.tensor(firsts, dtype=torch.int64, device=device),
         scale, sliding_window, block_tables.stride(0), block_size, num_kv_heads, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, HEAD_DIM=head_dim, DIM_PAD=padded(head_dim, 16), **meta,
-        BLOCK_N=BLOCK_KEYS if on_gpu else INTERPRETED_BLOCK_KEYS,
-        DOT_DTYPE=dot_dtype(q))
+        BLOCK_N=FP32_BLOCK_KEYS if exact else BLOCK_KEYS if on_gpu else INTERPRETED_BLOCK_KEYS,
+        DOT_DTYPE=dot_dtype(q), num_warps=FP32_WARPS if exact else 4)
