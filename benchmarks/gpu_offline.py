@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_decode_bandwidth import write_json  # noqa: E402
 from workloads import BenchRequest, mixed_workload, shared_prefix_workload  # noqa: E402
 
 SEED = 0
@@ -356,14 +357,6 @@ def print_summary(report: dict) -> None:
         print(f"memory (prefix caching {on_off(m['prefix_caching'])}, graphs {on_off(m['cuda_graphs'])}): predicted "
               f"{m['predicted_bytes'] / GIB:.2f} GiB (weights {m['weights_bytes'] / GIB:.2f} + pool "
               f"{m['pool_bytes'] / GIB:.2f} + activations {activations}); {observed_text}")
-
-
-def write_json(path: Path, report: dict) -> None:
-    """Written after every engine: a step cut off by its time limit still leaves what it measured."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(report, indent=2) + "\n")
-    partial.replace(path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,10 +72,9 @@ class DecodeBuffers:
         for group, (slots, tables) in enumerate(zip(inputs.slots, inputs.block_tables)):
             self.slots[group, :bucket].copy_(torch.tensor(slots + [PADDING_SLOT] * padding), non_blocking=True)
             self.context_lens[group, :bucket].copy_(torch.tensor(context_lens), non_blocking=True)
-            rows = torch.zeros(bucket, self.max_blocks, dtype=torch.long)
-            for row, table in enumerate(tables):
-                rows[row, :len(table)] = torch.tensor(table, dtype=torch.long)
-            self.block_tables[group, :bucket].copy_(rows, non_blocking=True)
+            rows = [table + [0] * (self.max_blocks - len(table)) for table in tables]
+            rows += [[0] * self.max_blocks] * padding
+            self.block_tables[group, :bucket].copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
 
 
 Replay = Callable[[], None]

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kvserve.cache.storage.kv_storage import LayerKVCache
 from kvserve.model.triton_kernels.launch import dot_dtype, kv_arguments, padded
-from kvserve.model.triton_kernels.tiles import attend_tile, load_kv_tiles
+from kvserve.model.triton_kernels.tiles import attend_tile, load_kv_tiles, online_softmax
 
 BLOCK_TOKENS = 16  # context tokens a program reads per iteration on a GPU
 INTERPRETED_BLOCK_TOKENS = 64  # under the interpreter, whose cost is per operation, not per element
@@ -69,14 +69,9 @@ def _decode_parts(q_ptr, key_ptr, value_ptr, key_scales_ptr, value_scales_ptr, k
                                      dims, block_size, num_kv_heads, DATA_DIM, NUM_SCALES, HEAD_DIM, FORMAT)
         # One query per head: products and sums, not tile products (too few rows for a GPU's matrix units).
         scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        base = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing yet stays at zero
-        probs = tl.exp(scores - base[:, None])
-        alpha = tl.exp(running_max - base)
-        running_sum = running_sum * alpha + tl.sum(probs, axis=1)
+        running_max, probs, alpha, running_sum = online_softmax(tl.where(valid[None, :], scores, float("-inf")),
+                                                                running_max, running_sum)
         acc = acc * alpha[:, None] + tl.sum(probs[:, :, None] * values[None, :, :], axis=1)
-        running_max = new_max
     part = (seq * num_kv_heads * GROUP + heads) * num_parts + split
     tl.store(part_max_ptr + part, running_max, mask=row_mask)
     tl.store(part_sum_ptr + part, running_sum, mask=row_mask)

@@ -28,11 +28,19 @@ def attend_tile(q, keys, values, visible, running_max, running_sum, acc, DOT_DTY
     """Folds one tile into the running state with tile products: q [R, D] already scaled, in DOT_DTYPE; keys and
     values [N, D] fp32; visible [R, N]. A row that has seen nothing yet keeps max -inf and zeros."""
     scores = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision="ieee")
-    scores = tl.where(visible, scores, float("-inf"))
+    new_max, probs, alpha, running_sum = online_softmax(tl.where(visible, scores, float("-inf")), running_max,
+                                                        running_sum)
+    acc = acc * alpha[:, None] + tl.dot(probs.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision="ieee")
+    return new_max, running_sum, acc
+
+
+@triton.jit
+def online_softmax(scores, running_max, running_sum):
+    """A tile's scores [R, N] (masked ones -inf) against the running max and sum: (the new max, the tile's
+    probabilities under it, the factor rescaling what came before, the new sum). A row that has seen nothing
+    yet keeps max -inf and weighs nothing."""
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
     base = tl.where(new_max == float("-inf"), 0.0, new_max)
     probs = tl.exp(scores - base[:, None])
     alpha = tl.exp(running_max - base)
-    running_sum = running_sum * alpha + tl.sum(probs, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(probs.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision="ieee")
-    return new_max, running_sum, acc
+    return new_max, probs, alpha, running_sum * alpha + tl.sum(probs, axis=1)
