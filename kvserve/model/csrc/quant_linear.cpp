@@ -629,6 +629,9 @@ __attribute__((always_inline)) inline void super_block_affine(const uint8_t* b, 
 // in a third of decode16's instructions.
 template <int64_t Type>
 constexpr bool kLookupDecode = Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1;
+// Q4_K and Q5_K: codes of at most 5 bits under a scale and offset per 32 values, decoded by the same lookup.
+template <int64_t Type>
+constexpr bool kLookupSuperBlocks = Type == kQ4_K || Type == kQ5_K;
 
 inline void decode_by_lookup(__m256i codes, float a, float c, at::BFloat16* y) {
   const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -637,6 +640,47 @@ inline void decode_by_lookup(__m256i codes, float a, float c, at::BFloat16* y) {
   const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(high, scale, offset),
                                                        _mm512_fmadd_ps(low, scale, offset));
   _mm512_storeu_si512(y, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table));
+}
+
+// One block of each of `rows` (at most 16) weight rows, `row_bytes` apart, into y[row][0, 32): the tile path's
+// decode, decode_by_lookup's values bit for bit in fewer shuffles (the port that bounds it). The rows' scales
+// are gathered and widened 16 at a time and each row's read back as a broadcast from memory; Q4 codes index a
+// table repeated in both halves, so their words need no mask.
+template <int64_t Type>
+inline void decode_rows_by_lookup(const uint8_t* block, int64_t row_bytes, int64_t rows, at::BFloat16 (*y)[32]) {
+  constexpr bool kFive = Type == kQ5_0 || Type == kQ5_1, kMin = Type == kQ4_1 || Type == kQ5_1;
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  const __mmask16 present = rows >= 16 ? 0xffff : static_cast<__mmask16>((1u << rows) - 1);
+  // Each row's first dword: its fp16 d in the low half (and Q4_1 / Q5_1's m in the high one).
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, offsets, block, 1);
+  alignas(64) float a[16], c[16];
+  const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+  _mm512_store_ps(a, d);
+  if constexpr (kMin) _mm512_store_ps(c, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+  else _mm512_store_ps(c, _mm512_mul_ps(d, _mm512_set1_ps(kFive ? -16.f : -8.f)));
+  asm volatile("" ::: "memory");  // rows read a and c back as broadcasts from memory, not lane shuffles
+  const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i nibble_shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* b = block + r * row_bytes;
+    simd::prefetch_ahead(b, kLayoutOf<Type>.bytes);
+    const __m512 scale = _mm512_set1_ps(a[r]), offset = _mm512_set1_ps(c[r]);
+    const __m512 values = _mm512_fmadd_ps(low, scale, offset);
+    if constexpr (kFive) {
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(
+          _mm512_fmadd_ps(_mm512_add_ps(low, _mm512_set1_ps(16.f)), scale, offset), values);
+      groups_of<Type>(b, [&](int, __m256i u, float, float, float, float) __attribute__((always_inline)) {
+        _mm512_storeu_si512(y[r], _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(u), table));
+      });
+    } else {
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+      // The 16 code bytes in both halves, as words: the high halves' shifted down to their high nibbles.
+      const __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kMin ? 4 : 2))));
+      const __m512i codes = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(twice), nibble_shifts);
+      _mm512_storeu_si512(y[r], _mm512_permutexvar_epi16(codes, table));
+    }
+  }
 }
 #endif
 
@@ -649,6 +693,10 @@ __attribute__((always_inline)) inline void decode_block(const uint8_t* block, ou
     float d_scale, d_min;  // the walk's integer form, unused here
     __m256i mins;
     super_block<Type>(block, [&](int g, __m256i u, __m256i) __attribute__((always_inline)) {
+#if defined(__AVX512BF16__)
+      if constexpr (kLookupSuperBlocks<Type> && std::is_same_v<out_t, at::BFloat16>)
+        return decode_by_lookup(u, a[2 * g], c[2 * g], y + 32 * g);  // one scale and offset per 32 values
+#endif
       decode16<false>(_mm256_castsi256_si128(u), a[2 * g], c[2 * g], y + 32 * g);
       decode16<false>(_mm256_extracti128_si256(u, 1), a[2 * g + 1], c[2 * g + 1], y + 32 * g + 16);
     }, d_scale, d_min, mins);
@@ -765,6 +813,20 @@ __attribute__((always_inline)) inline void decode_step(const uint8_t* block, at:
   else decode_block<Type>(block, y);
 }
 
+inline __mmask16 mask16(int64_t count) {
+  return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// out[m, n + j] = v[j] (+ bias) for j < count (at most 16), rounded as store() rounds.
+template <typename out_t>
+inline void store16(out_t* out, const Problem& p, int64_t m, int64_t n, __m512 v, int64_t count) {
+  const __mmask16 mask = mask16(count);
+  if (p.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.bias + n));
+  out_t* dst = out + m * p.out_stride + p.out_col + n;
+  if constexpr (std::is_same_v<out_t, float>) _mm512_mask_storeu_ps(dst, mask, v);
+  else _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 // Tile registers: 0 and 7 the weights (alternating), 1, 5 and 6 x's row tiles 0-2, 2-4 their results.
 template <int64_t Type, typename out_t>
 __attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline))
@@ -777,10 +839,15 @@ void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64
   alignas(64) at::BFloat16 weights[2][kAmxTileRows][kLayout.values];
   alignas(64) float result[kAmxTileRows][kAmxTileRows];
   const int64_t x_tiles = Mp / kAmxTileRows, pair_stride = Mp * 4, blocks = p.K / kLayout.values;
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(kAmxTileRows));
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * kAmxTileRows, rows = std::min(kAmxTileRows, p.N - n0);
     if (rows < kAmxTileRows) std::memset(weights, 0, sizeof(weights));
     auto decode = [&](int64_t b) {
+      if constexpr (kLookupDecode<Type>)
+        return decode_rows_by_lookup<Type>(p.w + n0 * p.row_bytes + b * kLayout.bytes, p.row_bytes, rows,
+                                           weights[b & 1]);
       for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayout.bytes;
         simd::prefetch_ahead(block, kLayout.bytes);
@@ -826,9 +893,10 @@ void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64
         case 1: _tile_stored(3, result, 64); break;
         default: _tile_stored(4, result, 64); break;
       }
+      // The tile is [weight rows][x rows]: each x row's column gathered, then stored as a run of out's row.
       const int64_t m1 = std::min(p.M, (xt + 1) * kAmxTileRows);
       for (int64_t m = xt * kAmxTileRows; m < m1; ++m)
-        for (int64_t r = 0; r < rows; ++r) store(out, p, m, n0 + r, result[r][m - xt * kAmxTileRows]);
+        store16(out, p, m, n0, _mm512_i32gather_ps(column, &result[0][m - xt * kAmxTileRows], 4), rows);
     }
   }
   _tile_release();
@@ -868,15 +936,9 @@ void decode_panel(const Problem& p, int64_t n0, int64_t rows, std::vector<at::BF
     }
 }
 
-// out[m, n + j] = values[j] (+ bias) for j < count (at most 16), rounded as store() rounds.
 template <typename out_t>
 inline void store16(out_t* out, const Problem& p, int64_t m, int64_t n, const float* values, int64_t count) {
-  const __mmask16 mask = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-  __m512 v = _mm512_maskz_loadu_ps(mask, values);
-  if (p.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.bias + n));
-  out_t* dst = out + m * p.out_stride + p.out_col + n;
-  if constexpr (std::is_same_v<out_t, float>) _mm512_mask_storeu_ps(dst, mask, v);
-  else _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  store16(out, p, m, n, _mm512_maskz_loadu_ps(mask16(count), values), count);
 }
 
 // Every 32 rows of x times panels [0, num_panels) (the first at weight row n0). Tiles: 0-3 results (x tile a,
