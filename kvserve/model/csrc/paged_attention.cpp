@@ -10,7 +10,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -1099,7 +1101,8 @@ void run_parts(const PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int
   };
   std::vector<int64_t> partial_at(num_parts + 1, 0);
   for (int64_t i = 0; i < num_parts; ++i) partial_at[i + 1] = partial_at[i] + rows_of(plan.parts[i]) * (head_dim + 2);
-  std::vector<float> partials(partial_at.back());
+  // Every task writes its whole partial: no zeroing (a step's partials are a few hundred KiB).
+  const std::unique_ptr<float[]> partials(new float[partial_at.back()]);
   // The members' query rows under each (group, KV head), side by side as one GQA group.
   std::vector<int64_t> shared_q_at(plan.shared_start.size(), 0);
   for (size_t i = 0; i + 1 < plan.shared_start.size(); ++i)
@@ -1112,29 +1115,27 @@ void run_parts(const PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int
       std::copy_n(q + (members[m] * num_heads + head * group) * head_dim, group * head_dim,
                   shared_q.data() + shared_q_at[i] + static_cast<int64_t>(m) * group * head_dim);
   }
-  auto run_range = [&](int64_t first, int64_t last) {
-    // Own parts and shared parts run in separate calls: each call divides its range evenly among the threads.
-    at::parallel_for(first, last, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, qf, row, k_rows, v_rows;
-      std::vector<int64_t> offsets;
-      for (int64_t i = begin; i < end; ++i) {
-        const Part& part = plan.parts[i];
-        const q_t* rows = part.shared_group < 0
-            ? q + (part.seq * num_heads + part.kv_head * group) * head_dim
-            : shared_q.data() + shared_q_at[part.shared_group * num_kv_heads + part.kv_head];
-        task(part, rows, rows_of(part), partials.data() + partial_at[i], scores, qf, row, offsets, k_rows, v_rows);
-      }
-    });
-  };
-  run_range(0, plan.num_own_parts);
-  if (num_parts > plan.num_own_parts) run_range(plan.num_own_parts, num_parts);
+  // Parts differ in cost (a shared part scores every member's rows), so the threads take them one at a time,
+  // the shared parts (last in the plan, the largest) first, rather than in equal shares of the count.
+  std::atomic<int64_t> taken{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores, qf, row, k_rows, v_rows;
+    std::vector<int64_t> offsets;
+    for (int64_t i = num_parts - 1 - taken++; i >= 0; i = num_parts - 1 - taken++) {
+      const Part& part = plan.parts[i];
+      const q_t* rows = part.shared_group < 0
+          ? q + (part.seq * num_heads + part.kv_head * group) * head_dim
+          : shared_q.data() + shared_q_at[part.shared_group * num_kv_heads + part.kv_head];
+      task(part, rows, rows_of(part), partials.get() + partial_at[i], scores, qf, row, offsets, k_rows, v_rows);
+    }
+  });
   at::parallel_for(0, num_seqs * num_kv_heads, 16, [&](int64_t begin, int64_t end) {
     std::vector<PartialRows> views;
     std::vector<float> weighted;
     for (int64_t pair = begin; pair < end; ++pair) {
       views.clear();
       for (int64_t i = plan.pair_start[pair]; i < plan.pair_start[pair + 1]; ++i) {
-        const float* partial = partials.data() + partial_at[i];
+        const float* partial = partials.get() + partial_at[i];
         views.push_back({partial, partial + group * head_dim, partial + group * head_dim + group});
       }
       const int64_t seq = pair / num_kv_heads, shared_group = plan.group_of[seq];
@@ -1143,7 +1144,7 @@ void run_parts(const PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int
         const int64_t rows = static_cast<int64_t>(plan.groups[shared_group].size()) * group;
         const int64_t row0 = plan.member_index[seq] * group;
         for (int64_t i = plan.shared_start[key]; i < plan.shared_start[key + 1]; ++i) {
-          const float* partial = partials.data() + partial_at[i];
+          const float* partial = partials.get() + partial_at[i];
           views.push_back({partial + row0 * head_dim, partial + rows * head_dim + row0,
                            partial + rows * head_dim + rows + row0});
         }

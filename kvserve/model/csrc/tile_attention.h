@@ -89,20 +89,44 @@ inline void softmax_row(const float* scores, int64_t count, int64_t padded, floa
   *row_sum = _mm512_reduce_add_ps(sum_v);
 }
 
-// Tiles: 0 the result, 1 and 3 left operands, 2 the right one.
+// A tile product's result is ready many cycles after it starts, and tiles are not renamed, so each loop keeps two
+// or four products in flight on separate result tiles and alternates the registers it loads into.
+// Scores: results 0 and 4 (two token tiles), query chunks 1 and 3, keys 2 and 7 (even chunks), 5 and 6 (odd ones).
+// Sums: results 0, 4, 5 and 6 (four dim tiles), probabilities 1 (high terms) and 3 (low ones), values 2 and 7.
+#define KVSERVE_SCORE_CHUNK(Q, KA, KB)                                          \
+  _tile_loadd(Q, q + c * amx::kTileValues, head_dim * 2);                       \
+  _tile_loadd(KA, s.keys.data() + (j * dim_chunks + c) * 256, 64);              \
+  _tile_dpbf16ps(0, Q, KA);                                                     \
+  if (two) {                                                                    \
+    _tile_loadd(KB, s.keys.data() + ((j + 1) * dim_chunks + c) * 256, 64);      \
+    _tile_dpbf16ps(4, Q, KB);                                                   \
+  }
+#define KVSERVE_VALUE_PAIR(A, B, c0)                                            \
+  _tile_loadd(2, s.values.data() + (k * dim_tiles + (c0)) * 256, 64);           \
+  _tile_loadd(7, s.values.data() + (k * dim_tiles + (c0) + 1) * 256, 64);       \
+  _tile_dpbf16ps(A, 1, 2);                                                      \
+  _tile_dpbf16ps(B, 1, 7);                                                      \
+  _tile_dpbf16ps(A, 3, 2);                                                      \
+  _tile_dpbf16ps(B, 3, 7);
+
 __attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline)) inline void attend_part(
     const at::BFloat16* q, int64_t rows, int64_t head_dim, int64_t count, float scale, Scratch& s, float* maxima,
     float* totals) {
   const int64_t padded16 = (count + 15) / 16 * 16, padded32 = (count + 31) / 32 * 32;
-  const int64_t dim_chunks = head_dim / amx::kTileValues, dim_tiles = head_dim / 16;
-  for (int64_t j = 0; j < padded16 / 16; ++j) {
+  const int64_t dim_chunks = head_dim / amx::kTileValues, dim_tiles = head_dim / 16, token_tiles = padded16 / 16;
+  for (int64_t j = 0; j < token_tiles; j += 2) {
+    const bool two = j + 1 < token_tiles;
     _tile_zero(0);
+    if (two) _tile_zero(4);
     for (int64_t c = 0; c < dim_chunks; ++c) {
-      _tile_loadd(1, q + c * amx::kTileValues, head_dim * 2);
-      _tile_loadd(2, s.keys.data() + (j * dim_chunks + c) * 256, 64);
-      _tile_dpbf16ps(0, 1, 2);
+      if (c % 2 == 0) {
+        KVSERVE_SCORE_CHUNK(1, 2, 7)
+      } else {
+        KVSERVE_SCORE_CHUNK(3, 5, 6)
+      }
     }
     _tile_stored(0, s.scores.data() + j * 16, padded32 * 4);
+    if (two) _tile_stored(4, s.scores.data() + (j + 1) * 16, padded32 * 4);
   }
   for (int64_t r = 0; r < rows; ++r)
     softmax_row(s.scores.data() + r * padded32, count, padded32, scale, s.high.data() + r * padded32,
@@ -111,18 +135,34 @@ __attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline)) inline vo
     std::fill_n(s.high.data() + r * padded32, padded32, at::BFloat16(0.f));
     std::fill_n(s.low.data() + r * padded32, padded32, at::BFloat16(0.f));
   }
-  for (int64_t c = 0; c < dim_tiles; ++c) {
+  // head_dim is a multiple of 32: dim tiles come in pairs, four at a time while there are four.
+  for (int64_t c0 = 0; c0 < dim_tiles; c0 += 4) {
+    const bool four = c0 + 4 <= dim_tiles;
     _tile_zero(0);
-    for (int64_t k = 0; k < padded32 / 32; ++k) {
-      _tile_loadd(2, s.values.data() + (k * dim_tiles + c) * 256, 64);
-      _tile_loadd(1, s.high.data() + k * 32, padded32 * 2);
-      _tile_dpbf16ps(0, 1, 2);
-      _tile_loadd(3, s.low.data() + k * 32, padded32 * 2);
-      _tile_dpbf16ps(0, 3, 2);
+    _tile_zero(4);
+    if (four) {
+      _tile_zero(5);
+      _tile_zero(6);
     }
-    _tile_stored(0, s.sums.data() + c * 16, head_dim * 4);
+    for (int64_t k = 0; k < padded32 / 32; ++k) {
+      _tile_loadd(1, s.high.data() + k * 32, padded32 * 2);
+      _tile_loadd(3, s.low.data() + k * 32, padded32 * 2);
+      KVSERVE_VALUE_PAIR(0, 4, c0)
+      if (four) {
+        KVSERVE_VALUE_PAIR(5, 6, c0 + 2)
+      }
+    }
+    float* sums = s.sums.data() + c0 * 16;
+    _tile_stored(0, sums, head_dim * 4);
+    _tile_stored(4, sums + 16, head_dim * 4);
+    if (four) {
+      _tile_stored(5, sums + 32, head_dim * 4);
+      _tile_stored(6, sums + 48, head_dim * 4);
+    }
   }
 }
+#undef KVSERVE_SCORE_CHUNK
+#undef KVSERVE_VALUE_PAIR
 
 inline bool applies(int64_t num_rows, int64_t head_dim) {
   return num_rows >= kMinRows && head_dim % amx::kTileValues == 0 && head_dim <= 256 && amx::ready();
@@ -154,7 +194,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void attend_rows(
   pack_values(v_cache, s.offsets.data(), count, padded32, head_dim, s.values.data());
   float* maxima = partial + num_rows * head_dim;
   float* totals = maxima + num_rows;
-  const amx::TileConfig config(4);
+  const amx::TileConfig config(8);
   _tile_loadconfig(&config);
   for (int64_t r0 = 0; r0 < num_rows; r0 += amx::kTileRows) {
     const int64_t rows = std::min(amx::kTileRows, num_rows - r0);
