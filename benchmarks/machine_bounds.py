@@ -36,6 +36,12 @@ def matmul_peak(dtype: torch.dtype = torch.bfloat16, size: int = 2048) -> float:
     return 2 * size**3 / best_seconds(lambda: torch.mm(a, b))
 
 
+def compute_peak() -> float:
+    """The faster of the bf16 and fp32 GEMMs: what the machine allows an engine free to pick its dtype (a CPU
+    without bf16 instructions, or one capped to AVX2, only emulates bf16)."""
+    return max(matmul_peak(torch.float32), matmul_peak(torch.bfloat16))
+
+
 def describe() -> str:
     return (f"memory bandwidth {memory_bandwidth() / 1e9:.1f} GB/s, matmul peak {matmul_peak() / 1e9:.0f} GFLOP/s "
             f"bf16 / {matmul_peak(torch.float32) / 1e9:.0f} fp32, {torch.get_num_threads()} threads")

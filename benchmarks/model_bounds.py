@@ -1,17 +1,16 @@
 """The least time this machine needs for a model's decode step and prefill, from the GGUF file's own tensors and
 the measured bounds of machine_bounds.py: a decode token reads every matmul weight as the file stores it plus the
-K/V of its context (bytes over memory bandwidth), a prefill does the matmul and attention FLOPs (over the bf16
-matmul peak). Engines that hold the weights wider than the file (bf16) move more bytes than this bound counts:
-the bound is the file's, the same for every engine serving it."""
+K/V of its context (bytes over memory bandwidth), a prefill does the matmul and attention FLOPs (over the
+faster of the bf16 and fp32 matmul peaks). Engines that hold the weights wider than the file (bf16) move more
+bytes than this bound counts: the bound is the file's, the same for every engine serving it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
-from machine_bounds import matmul_peak, memory_bandwidth
+from machine_bounds import compute_peak, memory_bandwidth
 
 from kvserve.planner.gguf_spec import spec_from_gguf
 from kvserve.planner.kv import kv_bytes_per_token
@@ -29,13 +28,13 @@ class ModelCost:
         kv_tokens = sum(contexts) - (len(contexts) - 1) * shared_tokens if contexts else 0
         moved = self.matmul_bytes + self.kv_token_bytes * kv_tokens
         flops = 2 * self.matmul_params * len(contexts) + self.attention_flops_per_pair * sum(contexts)
-        return max(moved / memory_bandwidth(), flops / matmul_peak(torch.bfloat16))
+        return max(moved / memory_bandwidth(), flops / compute_peak())
 
     def prefill_bound_s(self, tokens: int, cached: int = 0) -> float:
         """Computing `tokens` new prompt tokens after `cached` ones (causal: token i attends to cached + i + 1)."""
         pairs = tokens * cached + tokens * (tokens + 1) // 2
         flops = 2 * self.matmul_params * tokens + self.attention_flops_per_pair * pairs
-        return flops / matmul_peak(torch.bfloat16)
+        return flops / compute_peak()
 
     def shared_prefix_bound_s(self, prompt_lens: list[int], shared: int, output_tokens: int, cached: bool) -> float:
         """Workload (a): the prompts (the shared part once when `cached`) then `output_tokens` decode steps."""

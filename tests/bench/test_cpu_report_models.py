@@ -32,7 +32,7 @@ def test_widened_tokenizer_has_llama3_vocab_size_and_encodes_like_the_demo():
 def unit_machine(monkeypatch):
     """1 GB/s and 1 GFLOP/s, so bounds read as bytes and FLOPs in billions."""
     monkeypatch.setattr(model_bounds, "memory_bandwidth", lambda: 1e9)
-    monkeypatch.setattr(model_bounds, "matmul_peak", lambda dtype: 1e9)
+    monkeypatch.setattr(model_bounds, "compute_peak", lambda: 1e9)
 
 
 def test_demo_cost_counts_the_tied_embedding_once_and_f16_kv():
