@@ -1121,7 +1121,8 @@ void run_parts(const PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, qf, row, k_rows, v_rows;
     std::vector<int64_t> offsets;
-    for (int64_t i = num_parts - 1 - taken++; i >= 0; i = num_parts - 1 - taken++) {
+    for (int64_t next = taken++; next < num_parts; next = taken++) {
+      const int64_t i = num_parts - 1 - next;
       const Part& part = plan.parts[i];
       const q_t* rows = part.shared_group < 0
           ? q + (part.seq * num_heads + part.kv_head * group) * head_dim

@@ -624,6 +624,17 @@ __attribute__((always_inline)) inline void super_block_affine(const uint8_t* b, 
 }
 
 #if defined(__AVX512BF16__)
+// The first `count` (at most 16) of 16 lanes.
+inline __mmask16 mask16(int64_t count) {
+  return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// Lane i holds i * stride (gather offsets of 16 rows `stride` apart).
+inline __m512i lane_offsets(int64_t stride) {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(static_cast<int>(stride)));
+}
+
 // Blocks of 32 codes of at most 5 bits under one scale and offset (Q4_0, Q4_1, Q5_0, Q5_1): decoded into bf16 by
 // a lookup (vpermw) in a table of the block's 32 possible values, each computed and rounded as decode16 does,
 // in a third of decode16's instructions.
@@ -649,11 +660,9 @@ inline void decode_by_lookup(__m256i codes, float a, float c, at::BFloat16* y) {
 template <int64_t Type>
 inline void decode_rows_by_lookup(const uint8_t* block, int64_t row_bytes, int64_t rows, at::BFloat16 (*y)[32]) {
   constexpr bool kFive = Type == kQ5_0 || Type == kQ5_1, kMin = Type == kQ4_1 || Type == kQ5_1;
-  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(static_cast<int>(row_bytes)));
-  const __mmask16 present = rows >= 16 ? 0xffff : static_cast<__mmask16>((1u << rows) - 1);
   // Each row's first dword: its fp16 d in the low half (and Q4_1 / Q5_1's m in the high one).
-  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, offsets, block, 1);
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask16(rows), lane_offsets(row_bytes),
+                                                    block, 1);
   alignas(64) float a[16], c[16];
   const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
   _mm512_store_ps(a, d);
@@ -813,10 +822,6 @@ __attribute__((always_inline)) inline void decode_step(const uint8_t* block, at:
   else decode_block<Type>(block, y);
 }
 
-inline __mmask16 mask16(int64_t count) {
-  return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-}
-
 // out[m, n + j] = v[j] (+ bias) for j < count (at most 16), rounded as store() rounds.
 template <typename out_t>
 inline void store16(out_t* out, const Problem& p, int64_t m, int64_t n, __m512 v, int64_t count) {
@@ -839,8 +844,7 @@ void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64
   alignas(64) at::BFloat16 weights[2][kAmxTileRows][kLayout.values];
   alignas(64) float result[kAmxTileRows][kAmxTileRows];
   const int64_t x_tiles = Mp / kAmxTileRows, pair_stride = Mp * 4, blocks = p.K / kLayout.values;
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(kAmxTileRows));
+  const __m512i column = lane_offsets(kAmxTileRows);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * kAmxTileRows, rows = std::min(kAmxTileRows, p.N - n0);
     if (rows < kAmxTileRows) std::memset(weights, 0, sizeof(weights));
