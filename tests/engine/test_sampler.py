@@ -182,3 +182,27 @@ def test_greedy_kernel_picks_what_torch_max_picks(dtype):
     expected = logits.max(dim=-1).indices
     assert torch.equal(kernels.first_argmax(logits), expected)
     assert expected.tolist()[1:] == [10, 300, 0, 0, 5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [49157, 151936])
+def test_greedy_kernel_over_vocabulary_rows(dtype, vocab):
+    """Rows of a real vocabulary (scanned in vectors, a tail past them, rows split over threads): ties across
+    vectors, a maximum in the tail, infinities, signed zeros and a late NaN give torch.max's indices."""
+    from kvserve.model.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(33, vocab, generator=generator).to(dtype)
+    logits[1, [17, 33, 40000]] = 20.0  # tied across vectors
+    logits[2, vocab - 1] = 20.0  # in the tail
+    logits[3, 1234] = float("inf")
+    logits[4] = 0.0
+    logits[4, 3] = -0.0
+    logits[5, vocab - 2] = float("nan")
+    logits[6] = float("-inf")
+    expected = logits.max(dim=-1).indices
+    assert torch.equal(kernels.first_argmax(logits), expected)
+    assert expected.tolist()[1:7] == [17, vocab - 1, 1234, 0, vocab - 2, 0]

@@ -1003,6 +1003,12 @@ namespace {
 // system prompt) form a group. Each of the group's KV heads reads those blocks once for every member's query
 // rows together (a GQA group of members x group rows), in parts of its own; each member's own parts cover only
 // the tokens after them, and the merge combines both.
+//
+// The threads take the parts a unit at a time (units differ in cost, so not in equal shares of the count): the
+// shared parts first, one a unit, the largest; then each sequence's own parts over all its KV heads as one unit,
+// one head after another on one thread, so a block's K/V rows (the heads side by side) are read as one stream
+// rather than a head's rows at a time, every few hundred bytes, by different threads. A sequence whose own work
+// is a large share of the step's (a long context beside short ones) stays one unit a part, to keep the threads even.
 struct Part {
   int64_t seq, kv_head, first, end;
   int64_t shared_group = -1;  // >= 0: a shared-prefix part of that group, whose leader is `seq`
@@ -1020,7 +1026,33 @@ struct PartPlan {
   std::vector<std::vector<int64_t>> groups;  // members of each shared-prefix group
   std::vector<int64_t> group_of, member_index;  // [num_seqs]: the sequence's group and place in it (-1: none)
   std::vector<int64_t> shared_start;  // shared parts of (group, KV head) i: [shared_start[i], shared_start[i + 1])
+  std::vector<std::pair<int64_t, int64_t>> units;  // what a thread takes at once: parts [first, second), in order
 };
+
+constexpr int64_t kMaxUnitShare = 8;  // a sequence's own parts form one unit while under 1 / (this x threads)
+
+// plan.units: every shared part alone (largest first), then each sequence's own parts as one unit while its
+// tokens over all KV heads stay under the step's own tokens / (kMaxUnitShare x threads), else one unit a part.
+void plan_units(PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int64_t threads) {
+  auto own_tokens = [&](int64_t seq) {
+    int64_t tokens = 0;
+    for (int64_t i = plan.pair_start[seq * num_kv_heads]; i < plan.pair_start[(seq + 1) * num_kv_heads]; ++i)
+      tokens += plan.parts[i].end - plan.parts[i].first;
+    return tokens;
+  };
+  int64_t total = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) total += own_tokens(seq);
+  for (int64_t i = static_cast<int64_t>(plan.parts.size()) - 1; i >= plan.num_own_parts; --i)
+    plan.units.emplace_back(i, i + 1);
+  for (int64_t seq = num_seqs - 1; seq >= 0; --seq) {
+    const int64_t first = plan.pair_start[seq * num_kv_heads], end = plan.pair_start[(seq + 1) * num_kv_heads];
+    if (own_tokens(seq) * kMaxUnitShare * threads <= total) {
+      plan.units.emplace_back(first, end);
+    } else {
+      for (int64_t i = end - 1; i >= first; --i) plan.units.emplace_back(i, i + 1);
+    }
+  }
+}
 
 // Parts of at least `min_tokens` (at most `max_part_tokens` when > 0) over [first, end), `wanted` if long enough.
 void split_context(std::vector<Part>& parts, Part whole, int64_t wanted, int64_t min_tokens, int64_t max_part_tokens) {
@@ -1068,16 +1100,20 @@ PartPlan plan_parts(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads,
   }
   plan.num_own_parts = static_cast<int64_t>(plan.parts.size());
   plan.shared_start.assign(plan.groups.size() * num_kv_heads + 1, plan.num_own_parts);
+  // A shared part scores every member's rows, so it may be split finer than an own context, but only as far as
+  // the threads need: each split pads another part to whole tiles and adds a partial to every member's merge.
+  const int64_t shared_pairs = static_cast<int64_t>(plan.groups.size()) * num_kv_heads;
+  const int64_t shared_wanted = shared_pairs == 0 ? 1 : (threads + shared_pairs - 1) / shared_pairs;
   for (size_t g = 0; g < plan.groups.size(); ++g) {
     const int64_t leader = plan.groups[g][0];
     for (int64_t head = 0; head < num_kv_heads; ++head) {
-      // A shared part scores every member's rows: as much work as one part per member, so split it finer.
       const int64_t members = static_cast<int64_t>(plan.groups[g].size());
-      split_context(plan.parts, {leader, head, 0, shared.lens[leader], static_cast<int64_t>(g)}, 2 * threads,
+      split_context(plan.parts, {leader, head, 0, shared.lens[leader], static_cast<int64_t>(g)}, shared_wanted,
                     std::max<int64_t>(kMinPartTokens / members, 16), max_part_tokens);
       plan.shared_start[g * num_kv_heads + head + 1] = static_cast<int64_t>(plan.parts.size());
     }
   }
+  plan_units(plan, num_seqs, num_kv_heads, threads);
   return plan;
 }
 
@@ -1115,19 +1151,19 @@ void run_parts(const PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int
       std::copy_n(q + (members[m] * num_heads + head * group) * head_dim, group * head_dim,
                   shared_q.data() + shared_q_at[i] + static_cast<int64_t>(m) * group * head_dim);
   }
-  // Parts differ in cost (a shared part scores every member's rows), so the threads take them one at a time,
-  // the shared parts (last in the plan, the largest) first, rather than in equal shares of the count.
+  const int64_t num_units = static_cast<int64_t>(plan.units.size());
   std::atomic<int64_t> taken{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, qf, row, k_rows, v_rows;
     std::vector<int64_t> offsets;
-    for (int64_t next = taken++; next < num_parts; next = taken++) {
-      const int64_t i = num_parts - 1 - next;
-      const Part& part = plan.parts[i];
-      const q_t* rows = part.shared_group < 0
-          ? q + (part.seq * num_heads + part.kv_head * group) * head_dim
-          : shared_q.data() + shared_q_at[part.shared_group * num_kv_heads + part.kv_head];
-      task(part, rows, rows_of(part), partials.get() + partial_at[i], scores, qf, row, offsets, k_rows, v_rows);
+    for (int64_t next = taken++; next < num_units; next = taken++) {
+      for (int64_t i = plan.units[next].first; i < plan.units[next].second; ++i) {
+        const Part& part = plan.parts[i];
+        const q_t* rows = part.shared_group < 0
+            ? q + (part.seq * num_heads + part.kv_head * group) * head_dim
+            : shared_q.data() + shared_q_at[part.shared_group * num_kv_heads + part.kv_head];
+        task(part, rows, rows_of(part), partials.get() + partial_at[i], scores, qf, row, offsets, k_rows, v_rows);
+      }
     }
   });
   at::parallel_for(0, num_seqs * num_kv_heads, 16, [&](int64_t begin, int64_t end) {
