@@ -673,7 +673,6 @@ inline void decode_rows_by_lookup(const uint8_t* block, int64_t row_bytes, int64
   const __m512i nibble_shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* b = block + r * row_bytes;
-    simd::prefetch_ahead(b, kLayoutOf<Type>.bytes);
     const __m512 scale = _mm512_set1_ps(a[r]), offset = _mm512_set1_ps(c[r]);
     const __m512 values = _mm512_fmadd_ps(low, scale, offset);
     if constexpr (kFive) {
@@ -832,6 +831,12 @@ inline void store16(out_t* out, const Problem& p, int64_t m, int64_t n, __m512 v
   else _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// Slice `step` of `steps` of [region, region + bytes): every cache line starting in it asked for.
+inline void prefetch_slice(const uint8_t* region, int64_t bytes, int64_t step, int64_t steps) {
+  for (int64_t offset = step * bytes / steps / 64 * 64; offset < (step + 1) * bytes / steps; offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(region) + offset, _MM_HINT_T0);
+}
+
 // Tile registers: 0 and 7 the weights (alternating), 1, 5 and 6 x's row tiles 0-2, 2-4 their results.
 template <int64_t Type, typename out_t>
 __attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline))
@@ -853,17 +858,21 @@ void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64
         return decode_rows_by_lookup<Type>(p.w + n0 * p.row_bytes + b * kLayout.bytes, p.row_bytes, rows,
                                            weights[b & 1]);
       for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayout.bytes;
-        simd::prefetch_ahead(block, kLayout.bytes);
-        decode_step<Type>(block, weights[b & 1][r]);
+        decode_step<Type>(p.w + (n0 + r) * p.row_bytes + b * kLayout.bytes, weights[b & 1][r]);
       }
     };
+    // The weight rows are read a tile's 16 rows at a time, a run of memory, too slowly for the hardware to
+    // stream them ahead by itself: the next tile's bytes are asked for a slice per block of this one.
+    const int64_t next_rows = t + 1 < t1 ? std::min(kAmxTileRows, p.N - n0 - kAmxTileRows) : 0;
+    const uint8_t* next_tile = p.w + (n0 + kAmxTileRows) * p.row_bytes;
+    const int64_t next_tile_bytes = next_rows * p.row_bytes;
     _tile_zero(2);
     _tile_zero(3);
     _tile_zero(4);
     decode(0);
     int64_t step = 0;
     for (int64_t b = 0; b < blocks; ++b) {
+      prefetch_slice(next_tile, next_tile_bytes, b, blocks);
       if (b + 1 < blocks) decode(b + 1);
       const int64_t k = b * kLayout.values;
       for (int64_t j = 0; j < kLayout.values; j += kAmxTileValues) {
