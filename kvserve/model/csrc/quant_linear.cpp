@@ -803,10 +803,18 @@ using amx::TileConfig;
 
 // x [M, K] bf16 as tiles' right operand: pair p of row m (values 2p, 2p + 1) at [p][m], rows padded with zeros to
 // a whole tile (Mp, a multiple of 16).
+// A transpose of 32-bit pairs, 16 rows of x gathered at a time (it runs before the threads start).
 std::vector<uint32_t> x_as_pairs(const at::BFloat16* x, int64_t M, int64_t K, int64_t Mp) {
-  std::vector<uint32_t> pairs(K / 2 * Mp, 0);
-  for (int64_t p = 0; p < K / 2; ++p)  // written in order; the M rows' lines stay in L1 across p
-    for (int64_t m = 0; m < M; ++m) std::memcpy(&pairs[p * Mp + m], x + m * K + 2 * p, 4);
+  const int64_t num_pairs = K / 2;
+  std::vector<uint32_t> pairs(num_pairs * Mp);
+  const int* rows = reinterpret_cast<const int*>(x);
+  const __m512i offsets = lane_offsets(num_pairs);
+  for (int64_t m0 = 0; m0 < Mp; m0 += kAmxTileRows) {
+    const __mmask16 real = mask16(std::max<int64_t>(0, M - m0));  // rows past M: zeros
+    for (int64_t p = 0; p < num_pairs; ++p)
+      _mm512_storeu_si512(&pairs[p * Mp + m0],
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, offsets, rows + m0 * num_pairs + p, 4));
+  }
   return pairs;
 }
 
