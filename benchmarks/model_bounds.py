@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from machine_bounds import compute_peak, memory_bandwidth
 
 from kvserve.planner.gguf_spec import spec_from_gguf

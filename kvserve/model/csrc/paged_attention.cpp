@@ -1034,19 +1034,16 @@ constexpr int64_t kMaxUnitShare = 8;  // a sequence's own parts form one unit wh
 // plan.units: every shared part alone (largest first), then each sequence's own parts as one unit while its
 // tokens over all KV heads stay under the step's own tokens / (kMaxUnitShare x threads), else one unit a part.
 void plan_units(PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int64_t threads) {
-  auto own_tokens = [&](int64_t seq) {
-    int64_t tokens = 0;
-    for (int64_t i = plan.pair_start[seq * num_kv_heads]; i < plan.pair_start[(seq + 1) * num_kv_heads]; ++i)
-      tokens += plan.parts[i].end - plan.parts[i].first;
-    return tokens;
-  };
+  std::vector<int64_t> own_tokens(num_seqs, 0);
+  for (int64_t i = 0; i < plan.num_own_parts; ++i)
+    own_tokens[plan.parts[i].seq] += plan.parts[i].end - plan.parts[i].first;
   int64_t total = 0;
-  for (int64_t seq = 0; seq < num_seqs; ++seq) total += own_tokens(seq);
+  for (const int64_t tokens : own_tokens) total += tokens;
   for (int64_t i = static_cast<int64_t>(plan.parts.size()) - 1; i >= plan.num_own_parts; --i)
     plan.units.emplace_back(i, i + 1);
   for (int64_t seq = num_seqs - 1; seq >= 0; --seq) {
     const int64_t first = plan.pair_start[seq * num_kv_heads], end = plan.pair_start[(seq + 1) * num_kv_heads];
-    if (own_tokens(seq) * kMaxUnitShare * threads <= total) {
+    if (own_tokens[seq] * kMaxUnitShare * threads <= total) {
       plan.units.emplace_back(first, end);
     } else {
       for (int64_t i = end - 1; i >= first; --i) plan.units.emplace_back(i, i + 1);

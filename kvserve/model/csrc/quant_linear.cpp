@@ -802,8 +802,8 @@ constexpr int64_t kAmxTileValues = amx::kTileValues;
 using amx::TileConfig;
 
 // x [M, K] bf16 as tiles' right operand: pair p of row m (values 2p, 2p + 1) at [p][m], rows padded with zeros to
-// a whole tile (Mp, a multiple of 16).
-// A transpose of 32-bit pairs, 16 rows of x gathered at a time (it runs before the threads start).
+// a whole tile (Mp, a multiple of 16). A transpose of 32-bit pairs, gathered 16 rows at a time (it runs before
+// the threads start).
 std::vector<uint32_t> x_as_pairs(const at::BFloat16* x, int64_t M, int64_t K, int64_t Mp) {
   const int64_t num_pairs = K / 2;
   std::vector<uint32_t> pairs(num_pairs * Mp);
