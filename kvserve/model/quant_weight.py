@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import gguf
 import torch
 
+from kvserve import huge_pages
+
 # ggml type ids (gguf.GGMLQuantizationType) that quant_linear.cpp reads: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 # Q5_K, Q6_K.
 QUANT_LINEAR_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
@@ -101,8 +103,8 @@ def merge_parts(parts: list[QuantPart]) -> tuple[QuantPart, ...]:
             merged[-1].append(part)
         else:
             merged.append([part])
-    return tuple(QuantPart(run[0].ggml_type, torch.cat([p.blocks for p in run]) if len(run) > 1
-                           else run[0].blocks.clone(memory_format=torch.contiguous_format)) for run in merged)
+    return tuple(QuantPart(run[0].ggml_type, huge_pages.copy_of(torch.cat([p.blocks for p in run]) if len(run) > 1
+                                                                 else run[0].blocks)) for run in merged)
 
 
 def dense_weight(weight: torch.Tensor, kernels) -> QuantWeight:

@@ -118,3 +118,35 @@ def test_decode_kernel_splits_few_long_contexts_and_merges_them(isa, dtype, wind
         torch.set_num_threads(threads)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     assert (got.view(2, -1).float() - expected).abs().max().item() < tolerance
+
+
+@FAMILIES
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+                         ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (14, 2, 64), (4, 4, 64)])
+def test_decode_kernel_over_a_batch_of_sequences(isa, dtype, cache_dtype, heads, kv_heads, head_dim):
+    """A decode batch as a busy server has it (48 sequences of 1-700 tokens): each sequence's heads are one
+    thread's unit, read a tile at a time for all heads, in one part or in several (AMX builds cap a part at 512
+    tokens). The result is the same attention."""
+    kernel = kernels_for(isa)
+    generator = torch.Generator().manual_seed(2)
+    block_size, num_seqs, max_blocks = 16, 48, 44
+    num_blocks = num_seqs * max_blocks
+    cache = LayerKVCache(
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype),
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype),
+    )
+    lens = torch.randint(1, 701, (num_seqs,), generator=generator)
+    lens[:3] = torch.tensor([1, 16, 700])
+    tables = torch.randperm(num_blocks, generator=generator).view(num_seqs, max_blocks)
+    q = torch.randn(num_seqs, heads, head_dim, generator=generator).to(dtype)
+    spec = Spec(heads, kv_heads, head_dim)
+    expected = reference(q, cache, tables, lens, spec, block_size, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the units as a 2-core server plans them
+        got = kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, spec.scale, 0, NONE, NONE)
+    finally:
+        torch.set_num_threads(threads)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (got.view(num_seqs, -1).float() - expected).abs().max().item() < tolerance

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve import huge_pages
 from kvserve.cache.storage.key_staging import KeyStaging
 from kvserve.cache.storage.kv_quant import KVCodec, codec_for, decode_int4_keys, encode_int4_key_block, rotation_matrix
 from kvserve.planner.kv_groups import KVCacheLayout, kv_cache_layout
@@ -228,8 +229,8 @@ def allocate_kv_storage(
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: padded block-table entries read block contents that attention then masks out,
         # and NaN garbage times a zero weight would still be NaN.
-        slots = [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
-                              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layout.num_slots)]
+        slots = [LayerKVCache(huge_pages.full(shape, 0, dtype, device), huge_pages.full(shape, 0, dtype, device))
+                 for _ in range(layout.num_slots)]
     else:
         rotation = rotation_matrix(codec.head_dim, device) if codec.rotates else None  # one, shared by every layer
         staging = [_staging(codec, staging_rows, block_size) for _ in layout.groups]  # one per group's slot mapping
@@ -267,7 +268,7 @@ def _quantized_layer(codec: KVCodec, num_blocks: int, block_size: int, num_kv_he
         # int4 values' zero byte would decode to -8 x scale; 0x88 is two zeros. int4 keys' zero byte decodes to 0
         # under zero channel bytes, as fp8's and int8's does.
         fill = 0x88 if codec.name == "int4" and not keys else 0
-        return torch.full(data_shape, fill, dtype=codec.data_dtype, device=device)
+        return huge_pages.full(data_shape, fill, codec.data_dtype, device)
 
     def scales() -> torch.Tensor | None:
         if codec.scales_per_vector == 0:

@@ -779,6 +779,86 @@ void exp_rows(float* scores, int64_t group, int64_t num_tokens, float* row_max, 
   }
 }
 
+#if defined(__AVX512BF16__)
+// One sequence's own context (bf16 cache and queries) over all its KV heads in one unit: tiles of 16 tokens, the
+// heads' query rows one after another over each tile, so a tile's K rows (every head's side by side) are read
+// from one stretch of memory while it is in L1, then the same for V. A core doing this arithmetic keeps too few
+// misses in flight by itself, so each tile asks for the rows kTilesAhead tiles on, a head's rows at a time (a
+// burst of requests would fill the core's miss buffers and stall it). Writes each head's partial as decode_task
+// does, head h's at partial + h x head_stride.
+constexpr int64_t kTilesAhead = 2;
+// Asks for rows [begin, end) of a cache (offsets in elements), `row_elements` bf16 each.
+inline void request_rows(const at::BFloat16* cache, const int64_t* offsets, int64_t begin, int64_t end,
+                         int64_t row_elements) {
+  for (int64_t t = begin; t < end; ++t)
+    for (int64_t byte = 0; byte < row_elements * 2; byte += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(cache + offsets[t]) + byte, _MM_HINT_T0);
+}
+
+template <int kHeadDim>
+void decode_sequence_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                          const int64_t* table, int64_t first_token, int64_t end_token, int64_t block_size,
+                          int64_t num_kv_heads, int64_t group, float scale, float* partial, int64_t head_stride,
+                          std::vector<float>& scores, std::vector<int64_t>& offsets) {
+  constexpr int kVectors = kHeadDim / 32, kChunks = kHeadDim / 16, kMaxGroup = RegisterPlan<kHeadDim>::kMaxGroup;
+  const int64_t num_tokens = end_token - first_token, token_stride = num_kv_heads * kHeadDim;
+  offsets.resize(num_tokens);
+  for (int64_t pos = first_token; pos < end_token; ++pos)
+    offsets[pos - first_token] = (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+  scores.resize(num_kv_heads * group * num_tokens);
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, num_tokens - t0);
+    const int64_t ahead = t0 + kTilesAhead * 16, ahead_end = std::min(ahead + 16, num_tokens);
+    for (int64_t r = 0; r < num_kv_heads * group; ++r) {
+      const int64_t head = r / group;
+      if (r % group == 0) request_rows(k_cache + head * kHeadDim, offsets.data(), ahead, ahead_end, kHeadDim);
+      __m512bh qv[kVectors];
+      for (int c = 0; c < kVectors; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + r * kHeadDim + c * 32);
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        const at::BFloat16* key = k_cache + offsets[t0 + std::min<int64_t>(i, count - 1)] + head * kHeadDim;
+        __m512 dot = _mm512_setzero_ps();
+        for (int c = 0; c < kVectors; ++c) dot = _mm512_dpbf16_ps(dot, qv[c], (__m512bh)_mm512_loadu_si512(key + c * 32));
+        dots[i] = dot;
+      }
+      _mm512_mask_storeu_ps(scores.data() + r * num_tokens + t0, static_cast<__mmask16>((1u << count) - 1),
+                            _mm512_mul_ps(horizontal_sums16(dots), _mm512_set1_ps(scale)));
+    }
+  }
+  for (int64_t head = 0; head < num_kv_heads; ++head) {
+    float* sums = partial + head * head_stride;
+    exp_rows(scores.data() + head * group * num_tokens, group, num_tokens, sums + group * kHeadDim,
+             sums + group * kHeadDim + group);
+    std::fill(sums, sums + group * kHeadDim, 0.f);
+  }
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, num_tokens - t0);
+    const int64_t ahead = t0 + kTilesAhead * 16, ahead_end = std::min(ahead + 16, num_tokens);
+    for (int64_t head = 0; head < num_kv_heads; ++head) {
+      request_rows(v_cache + head * kHeadDim, offsets.data(), ahead, ahead_end, kHeadDim);
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+        const int64_t rows = std::min<int64_t>(kMaxGroup, group - g0);
+        float* acc = partial + head * head_stride + g0 * kHeadDim;
+        const float* probs = scores.data() + (head * group + g0) * num_tokens;
+        __m512 sum[kMaxGroup][kChunks];
+        for (int g = 0; g < kMaxGroup && g < rows; ++g)
+          for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_loadu_ps(acc + g * kHeadDim + c * 16);
+        for (int64_t t = t0; t < t0 + count; ++t) {
+          __m512 value[kChunks];
+          for (int c = 0; c < kChunks; ++c) value[c] = Simd::load(v_cache + offsets[t] + head * kHeadDim + c * 16);
+          for (int g = 0; g < kMaxGroup && g < rows; ++g) {
+            const __m512 p = _mm512_set1_ps(probs[g * num_tokens + t]);
+            for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_fmadd_ps(p, value[c], sum[g][c]);
+          }
+        }
+        for (int g = 0; g < kMaxGroup && g < rows; ++g)
+          for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + g * kHeadDim + c * 16, sum[g][c]);
+      }
+    }
+  }
+}
+#endif
+
 // What a quantized cache read in place scales its elements by, for the kernels to apply outside the inner
 // loops. int8: per-row scale bytes (kv_dequant.h), one per (slot, KV head), for K and for V, applied once per
 // token: the keys' to the scores, the values' to the probabilities. fp8: V's per-layer scale, applied to the
@@ -1123,11 +1203,18 @@ SharedPrefixes shared_prefixes(const torch::Tensor& shared_lens, const torch::Te
   return {shared_lens.data_ptr<int64_t>(), shared_leaders.data_ptr<int64_t>()};
 }
 
+struct NoUnitTask {
+  template <typename... Args>
+  bool operator()(Args&&...) const { return false; }
+};
+
 // Runs every part (task(part, its query rows, their count, partial, scratch...)) and merges each pair's parts into
 // out [num_seqs, num_heads, head_dim]. A part's partial result holds its rows' [sums | maxima | totals].
-template <typename TaskFn, typename q_t>
+// unit_task(first part, end part, the first's partial, scores, offsets) may take a whole unit at once (true) or
+// leave its parts to `task` (false).
+template <typename TaskFn, typename q_t, typename UnitFn = NoUnitTask>
 void run_parts(const PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,
-               const q_t* q, q_t* out_ptr, TaskFn&& task) {
+               const q_t* q, q_t* out_ptr, TaskFn&& task, UnitFn&& unit_task = {}) {
   const int64_t num_heads = num_kv_heads * group, num_parts = static_cast<int64_t>(plan.parts.size());
   auto rows_of = [&](const Part& part) {
     return part.shared_group < 0 ? group : static_cast<int64_t>(plan.groups[part.shared_group].size()) * group;
@@ -1154,7 +1241,9 @@ void run_parts(const PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int
     std::vector<float> scores, qf, row, k_rows, v_rows;
     std::vector<int64_t> offsets;
     for (int64_t next = taken++; next < num_units; next = taken++) {
-      for (int64_t i = plan.units[next].first; i < plan.units[next].second; ++i) {
+      const auto [first, end] = plan.units[next];
+      if (unit_task(first, end, partials.get() + partial_at[first], scores, offsets)) continue;
+      for (int64_t i = first; i < end; ++i) {
         const Part& part = plan.parts[i];
         const q_t* rows = part.shared_group < 0
             ? q + (part.seq * num_heads + part.kv_head * group) * head_dim
@@ -1188,6 +1277,31 @@ void run_parts(const PartPlan& plan, int64_t num_seqs, int64_t num_kv_heads, int
     }
   });
 }
+
+#if defined(__AVX512BF16__)
+// A unit of one sequence's own parts over all its KV heads (parts in pair order: head h's p-th at first + h x
+// parts per head + p, every head's p-th over the same tokens) runs as decode_sequence_bf16 a part index at a time;
+// false for any other unit.
+bool decode_sequence_unit(const PartPlan& plan, int64_t first, int64_t end, const at::BFloat16* q,
+                          const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* tables,
+                          int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                          float scale, float* partial, std::vector<float>& scores, std::vector<int64_t>& offsets) {
+  const Part& lead = plan.parts[first];
+  const int64_t count = end - first;
+  if (lead.shared_group >= 0 || count % num_kv_heads != 0 || plan.parts[end - 1].seq != lead.seq ||
+      (head_dim != 64 && head_dim != 128))
+    return false;
+  const int64_t per_head = count / num_kv_heads, partial_floats = group * (head_dim + 2);
+  const auto kernel = head_dim == 64 ? decode_sequence_bf16<64> : decode_sequence_bf16<128>;
+  for (int64_t p = 0; p < per_head; ++p) {
+    const Part& part = plan.parts[first + p];
+    kernel(q + lead.seq * num_kv_heads * group * head_dim, k_cache, v_cache, tables + lead.seq * max_blocks,
+           part.first, part.end, block_size, num_kv_heads, group, scale, partial + p * partial_floats,
+           per_head * partial_floats, scores, offsets);
+  }
+  return true;
+}
+#endif
 
 template <typename q_t, typename cache_t>
 using DecodeTaskFn = void (*)(const q_t*, const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t, int64_t,
@@ -1241,6 +1355,15 @@ torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, co
               task_fn(rows, k_cache, v_cache, tables + part.seq * max_blocks, part.end, part.first, block_size,
                       num_kv_heads, part.kv_head, num_rows, head_dim, static_cast<float>(scale), cache_scales, partial,
                       scores, qf, row, offsets);
+            },
+            [&](int64_t first, int64_t end, float* partial, auto& scores, auto& offsets) {
+#if defined(__AVX512BF16__)
+              if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>)
+                return decode_sequence_unit(plan, first, end, q.data_ptr<q_t>(), k_cache, v_cache, tables, max_blocks,
+                                            block_size, num_kv_heads, group, head_dim, static_cast<float>(scale),
+                                            partial, scores, offsets);
+#endif
+              return false;
             });
   return out;
 }
