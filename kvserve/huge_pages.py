@@ -25,12 +25,15 @@ def full(shape: tuple[int, ...], fill_value: float | int, dtype: torch.dtype,
     return _mapped(shape, dtype, nbytes).fill_(fill_value)
 
 
-def copy_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a host tensor that owns its bytes, on huge pages when it is large enough."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "cpu" or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return tensor.clone(memory_format=torch.contiguous_format)
-    return _mapped(tuple(tensor.shape), tensor.dtype, nbytes).copy_(tensor)
+def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Host tensors joined along dim 0 into a contiguous tensor that owns its bytes (one tensor: a copy), on huge
+    pages when it is large enough; written in place, with no intermediate copy."""
+    first = tensors[0]
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    nbytes = math.prod(shape) * first.element_size()
+    if first.device.type != "cpu" or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.cat(tensors) if len(tensors) > 1 else first.clone(memory_format=torch.contiguous_format)
+    return torch.cat(tensors, out=_mapped(shape, first.dtype, nbytes))
 
 
 def _mapped(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:

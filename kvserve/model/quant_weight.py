@@ -103,8 +103,7 @@ def merge_parts(parts: list[QuantPart]) -> tuple[QuantPart, ...]:
             merged[-1].append(part)
         else:
             merged.append([part])
-    return tuple(QuantPart(run[0].ggml_type, huge_pages.copy_of(torch.cat([p.blocks for p in run]) if len(run) > 1
-                                                                 else run[0].blocks)) for run in merged)
+    return tuple(QuantPart(run[0].ggml_type, huge_pages.cat([p.blocks for p in run])) for run in merged)
 
 
 def dense_weight(weight: torch.Tensor, kernels) -> QuantWeight:

@@ -62,17 +62,19 @@ def test_int4_values_keep_their_fill_byte():
 def test_small_tensors_stay_plain_torch_allocations():
     tensor = huge_pages.full((8, 16), 1.5, torch.float32)
     assert tensor.shape == (8, 16) and bool((tensor == 1.5).all())
-    copied = huge_pages.copy_of(torch.arange(6).view(2, 3).t())
+    copied = huge_pages.cat([torch.arange(6).view(2, 3).t()])
     assert copied.is_contiguous() and copied.tolist() == [[0, 3], [1, 4], [2, 5]]
 
 
-def test_copy_of_owns_its_bytes():
-    source = torch.arange(3 << 20, dtype=torch.int32).view(-1, 1024)[:, :1000]
-    copied = huge_pages.copy_of(source)
-    assert copied.is_contiguous() and torch.equal(copied, source)
-    assert copied.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
-    source[0, 0] = -1
-    assert copied[0, 0].item() == 0
+def test_cat_joins_rows_into_bytes_of_its_own():
+    whole = torch.arange(3 << 20, dtype=torch.int32).view(-1, 1024)
+    parts = [whole[:1000, :1000], whole[1000:, :1000]]  # strided views, as a mapped file's rows can be
+    joined = huge_pages.cat(parts)
+    assert joined.is_contiguous() and torch.equal(joined, whole[:, :1000])
+    assert joined.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    whole[0, 0] = -1
+    assert joined[0, 0].item() == 0
+    assert torch.equal(huge_pages.cat(parts[1:]), whole[1000:, :1000])
 
 
 @pytest.mark.skipif(not _thp_offered(), reason="this kernel offers no transparent huge pages")
