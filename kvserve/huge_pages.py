@@ -20,7 +20,7 @@ def full(shape: tuple[int, ...], fill_value: float | int, dtype: torch.dtype,
     """torch.full, on huge pages when it is a host tensor of at least one huge page. Every page is written (as
     torch.full writes them), so the memory is resident from the start, as the planner counted it."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not _worth_huge_pages(torch.device(device), nbytes):
         return torch.full(shape, fill_value, dtype=dtype, device=device)
     return _mapped(shape, dtype, nbytes).fill_(fill_value)
 
@@ -31,9 +31,13 @@ def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     first = tensors[0]
     shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
     nbytes = math.prod(shape) * first.element_size()
-    if first.device.type != "cpu" or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not _worth_huge_pages(first.device, nbytes):
         return torch.cat(tensors) if len(tensors) > 1 else first.clone(memory_format=torch.contiguous_format)
     return torch.cat(tensors, out=_mapped(shape, first.dtype, nbytes))
+
+
+def _worth_huge_pages(device: torch.device, nbytes: int) -> bool:
+    return device.type == "cpu" and nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def _mapped(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
