@@ -18,6 +18,7 @@ from tiny_models import ARCHITECTURES, BASE, build_model, build_tokenizer
 
 from kvserve.config import ModelConfig, ModelLoadError
 from kvserve.model.gguf_tokenizer import load_gguf_tokenizer
+from kvserve.model.cpu_kernels import cpu_kernels
 from kvserve.model.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -262,6 +263,16 @@ def test_real_logits_match_transformers_reading_the_same_file(real_gguf):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(real_gguf.parent), gguf_file=real_gguf.name, dtype=torch.float32).eval()
     reference = reference_logits(hf_model, ids)
-    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
     # Both dequantize the same blocks to fp32; kvserve multiplies them in place (its quantized matmul kernels).
-    assert max_diff(ours, reference) < 1e-3
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.quant_linear_int8_batches():
+        assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+        assert max_diff(ours, reference) < 1e-3
+        return
+    # Without bf16 dot products, the K-quant matmuls take x rounded to int8 per 32 values (as llama.cpp does):
+    # this model's logits move by up to 2% of the largest, and the top token changes only where the reference's
+    # top two are within that.
+    assert max_diff(ours, reference) < 0.03 * reference.abs().max().item()
+    top2 = reference.topk(2, dim=-1).values
+    changed = ours.argmax(-1) != reference.argmax(-1)
+    assert ((top2[:, 0] - top2[:, 1])[changed] < 0.1).all()

@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <unistd.h>
 #include <vector>
 
 #include "amx.h"
@@ -268,31 +269,66 @@ struct QuantizedX {
   std::vector<int8_t> q;       // [M, K]
   std::vector<float> d;        // [M, K / group]
   std::vector<int16_t> sums;   // [M, K / 16] each 16 values' sum of q
+  std::vector<float> sums_d;   // [M, K / group] each group's sum of q times its d
 };
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline int hsum(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
+}
+
+template <typename in_t>
+inline __m256 load8(const in_t* x) {
+  if constexpr (std::is_same_v<in_t, float>) return _mm256_loadu_ps(x);
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+
+inline float hmax(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+// One group of x (a multiple of 16 values): d = amax / 127, q = round(x * 127 / amax) to nearest even, and each
+// 16 values' sum of q.
+template <typename in_t>
+inline void quantize_group(const in_t* x, int64_t group, int8_t* q, float* d, int16_t* sums, float* sum_d) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 most = _mm256_setzero_ps();
+  for (int64_t i = 0; i < group; i += 8) most = _mm256_max_ps(most, _mm256_and_ps(load8(x + i), magnitude));
+  const float amax = hmax(most);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  *d = amax / 127.f;
+  int total = 0;
+  for (int64_t i = 0; i < group; i += 16) {
+    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + i), inv));
+    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + i + 8), inv));
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                     _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+    sums[i / 16] = static_cast<int16_t>(hsum(_mm256_add_epi32(lo, hi)));
+    total += sums[i / 16];
+  }
+  *sum_d = *d * static_cast<float>(total);
+}
 
 template <typename in_t>
 QuantizedX quantize_x(const in_t* x, int64_t M, int64_t K, int64_t group) {
   const int64_t groups = M * K / group;
-  QuantizedX qx{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<int16_t>(M * K / 16)};
-  std::vector<float> v(group);
-  for (int64_t g = 0; g < groups; ++g) {
-    float amax = 0.f;
-    for (int64_t i = 0; i < group; ++i) {
-      v[i] = static_cast<float>(x[g * group + i]);
-      amax = std::max(amax, std::abs(v[i]));
-    }
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    qx.d[g] = amax / 127.f;
-    for (int64_t i = 0; i < group; i += 16) {
-      int sum = 0;
-      for (int64_t l = i; l < i + 16; ++l) {
-        const int q = static_cast<int>(std::nearbyint(v[l] * inv));
-        qx.q[g * group + l] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      qx.sums[(g * group + i) / 16] = static_cast<int16_t>(sum);
-    }
-  }
+  QuantizedX qx{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<int16_t>(M * K / 16),
+                std::vector<float>(groups)};
+  at::parallel_for(0, groups, 4096 / group, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      quantize_group(x + g * group, group, qx.q.data() + g * group, qx.d.data() + g, qx.sums.data() + g * group / 16,
+                     qx.sums_d.data() + g);
+  });
   return qx;
 }
 
@@ -331,18 +367,6 @@ inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 // Eight int32 lanes of u * s summed by pairs of bytes, each pair times its int16 lane of `scale`.
 inline __m256i scaled_dot(__m256i u, __m256i s, __m256i scale) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale);
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-inline int hsum(__m256i v) {
-  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  const __m128i t = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
 }
 
 template <int64_t Type>
@@ -787,6 +811,173 @@ void gemm_slices(const torch::Tensor& x, const Problem& p, const torch::Tensor& 
   }
 }
 
+// ---------------------------------------------------------------------------------------------- int8 panels
+#if defined(__AVX2__) && !defined(__AVX512BF16__)
+// Prefill-sized batches of K-quant weights on CPUs without bf16 dot products (the AVX2 and AVX-512 families),
+// where the slices' fp32 matmul is bound by the FMA units: x is quantized to int8 per 256 values as the walk
+// quantizes it, and the products are taken by vpmaddubsw (32 multiply-adds a cycle where fp32 FMAs take 16).
+// Weight rows are decoded once per call, 8 at a time, into panels whose lanes are weight rows: quad q (4 codes)
+// of each of the 8 rows side by side in 32 bytes, so one broadcast of 4 of x's bytes multiplies 8 rows and each
+// int32 lane sums one output (no horizontal sums). A row's value is d * scale * u - dmin * min per 16 values
+// (Q6_K: u its 6-bit code, min 32 * scale, dmin = d), so per super-block of 256 values
+//   out[m, n] += d * dx * sum(scale * u * qx) - dmin * dx * sum(min * sum16(qx)),
+// both sums exact in int32, meeting fp32 once. A thread decodes a group of panels that stays in L2, then takes
+// x 8 rows at a time across the whole group.
+constexpr int64_t kInt8PanelRows = 8;                  // lanes of int32 in a register
+constexpr int kInt8TileRows = kMaxWalkRows;             // rows of x per pass over a panel (with_rows)
+
+struct alignas(32) Int8Block {  // one super-block of a panel's 8 rows
+  uint8_t codes[64][kInt8PanelRows][4];   // [quad of values][row][4 codes]
+  int16_t scales[16][kInt8PanelRows][2];  // [16 values][row][its scale, twice]
+  int16_t mins[8][kInt8PanelRows][2];     // Q6_K: [32 values][row][its two 16s' mins]
+  float neg_mins[8][kInt8PanelRows];      // Q4_K, Q5_K: [32 values][row] -dmin * min
+  float d[kInt8PanelRows];
+};
+
+// Decoded panels a thread keeps at a time: half of its L2 (x's rows take the other half).
+inline int64_t half_l2_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? static_cast<int64_t>(l2) / 2 : int64_t{256} << 10;
+  }();
+  return bytes;
+}
+
+template <int64_t Type>
+constexpr bool kInt8Panels = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
+// Quads of products summed in int16 before meeting the scale: each vpmaddubsw lane is at most 2 * 127 * the
+// largest code (15, 31, 63), so four sums of Q4_K's or Q5_K's fit in int16 and two of Q6_K's.
+template <int64_t Type>
+constexpr int kQuadsInt16 = Type == kQ6_K ? 2 : 4;
+
+// Weight rows [n0, n0 + 8) as a panel: panel[b] their super-block b (rows past N: zeros).
+template <int64_t Type>
+void decode_int8_panel(const Problem& p, int64_t n0, Int8Block* panel) {
+  if (n0 + kInt8PanelRows > p.N) std::memset(static_cast<void*>(panel), 0, p.K / 256 * sizeof(Int8Block));
+  for (int64_t r = 0; r < std::min(kInt8PanelRows, p.N - n0); ++r) {
+    const uint8_t* block = p.w + (n0 + r) * p.row_bytes;
+    for (int64_t b = 0; b < p.K / 256; ++b, block += kLayoutOf<Type>.bytes) {
+      Int8Block& out = panel[b];
+      alignas(32) uint32_t quads[8];
+      alignas(32) int16_t lanes[16];
+      float d_scale, d_min;
+      __m256i mins;
+      super_block<Type>(block, [&](int g, __m256i u, __m256i scale) __attribute__((always_inline)) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(quads), u);
+        for (int i = 0; i < 8; ++i) std::memcpy(out.codes[8 * g + i][r], &quads[i], 4);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), scale);  // lanes 0-7: the first 16 values' scale
+        for (int h = 0; h < 2; ++h) out.scales[2 * g + h][r][0] = out.scales[2 * g + h][r][1] = lanes[8 * h];
+      }, d_scale, d_min, mins);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), mins);
+      for (int j = 0; j < 8; ++j) {
+        out.mins[j][r][0] = lanes[2 * j], out.mins[j][r][1] = lanes[2 * j + 1];
+        out.neg_mins[j][r] = -d_min * lanes[2 * j];
+      }
+      out.d[r] = d_scale;
+    }
+  }
+}
+
+inline __m256i load_block(const void* p) { return _mm256_load_si256(static_cast<const __m256i*>(p)); }
+
+inline __m256i broadcast_quad(const void* p) {
+  int32_t quad;
+  std::memcpy(&quad, p, 4);
+  return _mm256_set1_epi32(quad);
+}
+
+// out[m0 + i, n0 + l] for i < MR, l < 8: MR rows of x times a panel. Per 16 values the panel's 4 quads stay in
+// registers while each row of x takes them; each 32 values' int32 sums are set aside, and a super-block's meet
+// x's scales and the block's d together after it.
+template <int64_t Type, int MR, typename out_t>
+__attribute__((noinline)) void int8_panel_rows(const Problem& p, const QuantizedX& qx, int64_t m0,
+                                              const Int8Block* panel, int64_t n0, out_t* out) {
+  const int64_t x_groups = p.K / 32;
+  alignas(32) float acc[MR][kInt8PanelRows] = {};
+  alignas(32) int32_t block_sums[8][MR][kInt8PanelRows];  // [32 values][row of x][weight row]
+  for (int64_t b = 0; b < p.K / 256; ++b) {
+    const Int8Block& w = panel[b];
+    for (int j = 0; j < 8; ++j) {  // sub-blocks of 32 values, a group of x each
+      __m256i sums[MR];
+      for (int m = 0; m < MR; ++m) sums[m] = _mm256_setzero_si256();
+      for (int g = 2 * j; g < 2 * j + 2; ++g) {  // 16 values under one scale: 4 quads
+        const __m256i u[4] = {load_block(w.codes[4 * g]), load_block(w.codes[4 * g + 1]),
+                              load_block(w.codes[4 * g + 2]), load_block(w.codes[4 * g + 3])};
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* xg = qx.q.data() + (m0 + m) * p.K + 256 * b + 16 * g;
+          __m256i t = _mm256_setzero_si256();
+          for (int i = 0; i < 4; ++i) {
+            t = _mm256_add_epi16(t, _mm256_maddubs_epi16(u[i], broadcast_quad(xg + 4 * i)));
+            if (i % kQuadsInt16<Type> == kQuadsInt16<Type> - 1) {  // int16 sums as far as they cannot overflow
+              sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(t, load_block(w.scales[g])));
+              t = _mm256_setzero_si256();
+            }
+          }
+        }
+      }
+      for (int m = 0; m < MR; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(block_sums[j][m]), sums[m]);
+    }
+    const __m256 d = _mm256_load_ps(w.d);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = (m0 + m) * x_groups + 8 * b;
+      __m256 scaled = _mm256_setzero_ps(), a = _mm256_load_ps(acc[m]);
+      for (int j = 0; j < 8; ++j) {
+        __m256i s = load_block(block_sums[j][m]);
+        if constexpr (Type == kQ6_K)  // its offset is under d too: met in int32
+          s = _mm256_sub_epi32(s, _mm256_madd_epi16(load_block(w.mins[j]), broadcast_quad(qx.sums.data() + 2 * (at + j))));
+        else
+          a = _mm256_fmadd_ps(_mm256_load_ps(w.neg_mins[j]), _mm256_set1_ps(qx.sums_d[at + j]), a);
+        scaled = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(qx.d[at + j]), scaled);
+      }
+      _mm256_store_ps(acc[m], _mm256_fmadd_ps(scaled, d, a));
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int l = 0; l < kInt8PanelRows && n0 + l < p.N; ++l) store(out, p, m0 + m, n0 + l, acc[m][l]);
+}
+
+template <int64_t Type>
+bool uses_int8_panels(const torch::Tensor& x, const Problem& p) {
+  return kInt8Panels<Type> && p.M > kMaxWalkRows && x.scalar_type() == torch::kFloat;
+}
+
+template <int64_t Type, typename out_t>
+void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
+  const int64_t blocks = p.K / 256, num_panels = (p.N + kInt8PanelRows - 1) / kInt8PanelRows;
+  const int64_t panel_bytes = blocks * static_cast<int64_t>(sizeof(Int8Block));
+  // Groups of at most half of L2, as many as a multiple of the threads, so each takes the same share.
+  const int64_t threads = at::get_num_threads(), most = std::max<int64_t>(1, half_l2_bytes() / panel_bytes);
+  const int64_t groups = ((num_panels + most - 1) / most + threads - 1) / threads * threads;
+  const int64_t per_group = (num_panels + groups - 1) / groups;
+  at::parallel_for(0, (num_panels + per_group - 1) / per_group, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<Int8Block> panels(per_group * blocks);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t first = g * per_group, count = std::min(per_group, num_panels - first);
+      for (int64_t i = 0; i < count; ++i)
+        decode_int8_panel<Type>(p, (first + i) * kInt8PanelRows, panels.data() + i * blocks);
+      for (int64_t m0 = 0; m0 < p.M; m0 += kInt8TileRows)
+        with_rows(std::min<int64_t>(kInt8TileRows, p.M - m0), [&](auto rows) {
+          for (int64_t i = 0; i < count; ++i)
+            int8_panel_rows<Type, decltype(rows)::value>(p, qx, m0, panels.data() + i * blocks,
+                                                         (first + i) * kInt8PanelRows, out);
+        });
+    }
+  });
+}
+
+template <int64_t Type>
+void int8_panel_gemm(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
+  const QuantizedX qx = quantize_x(x.data_ptr<float>(), p.M, p.K, 32);
+  if (out.scalar_type() == torch::kBFloat16) int8_panel_gemm<Type>(qx, p, out.data_ptr<at::BFloat16>());
+  else int8_panel_gemm<Type>(qx, p, out.data_ptr<float>());
+}
+#else
+template <int64_t Type>
+bool uses_int8_panels(const torch::Tensor&, const Problem&) { return false; }
+template <int64_t Type>
+void int8_panel_gemm(const torch::Tensor&, const Problem&, const torch::Tensor&) {}
+#endif
+
 // ---------------------------------------------------------------------------------------------- AMX: batched decode
 #if defined(KVSERVE_AMX)
 // A batched decode step (9 to kAmxMaxRows rows of bf16 x) on CPUs with AMX. The slices above pay for writing
@@ -1074,6 +1265,7 @@ void run_type(const torch::Tensor& x, const Problem& p, const torch::Tensor& out
   if (p.M > kAmxMaxRows && x.scalar_type() == torch::kBFloat16 && p.K % kAmxTileValues == 0 && amx::ready())
     return amx_panel_gemm<Type>(x, p, out);
 #endif
+  if (uses_int8_panels<Type>(x, p)) return int8_panel_gemm<Type>(x, p, out);
   if (p.M > kMaxWalkRows) return gemm_slices<Type>(x, p, out);
   auto go = [&](const auto* xp) {
     if (out.scalar_type() == torch::kBFloat16) walk<Type>(xp, p, out.data_ptr<at::BFloat16>());
@@ -1130,6 +1322,15 @@ int64_t row_values(const torch::Tensor& blocks, int64_t type) {
 }  // namespace
 
 bool quant_linear_reads(int64_t type) { return known_type(type); }
+
+// Whether more than 8 rows of fp32 x over K-quant blocks are quantized to int8 here (int8 panels).
+bool quant_linear_int8_batches() {
+#if defined(__AVX2__) && !defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
 
 // Whether batched decode (9 to 48 rows of bf16 x) runs on AMX tiles here.
 bool quant_linear_uses_amx() {
