@@ -846,9 +846,10 @@ inline int64_t half_l2_bytes() {
 template <int64_t Type>
 constexpr bool kInt8Panels = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
 // Quads of products summed in int16 before meeting the scale: each vpmaddubsw lane is at most 2 * 127 * the
-// largest code (15, 31, 63), so four sums of Q4_K's or Q5_K's fit in int16 and two of Q6_K's.
+// largest code (15, 31, 63), so eight sums fit in int16 for Q4_K (whose scale covers 32 values), four for Q5_K
+// and two for Q6_K.
 template <int64_t Type>
-constexpr int kQuadsInt16 = Type == kQ6_K ? 2 : 4;
+constexpr int kQuadsInt16 = Type == kQ4_K ? 8 : Type == kQ5_K ? 4 : 2;
 
 // Weight rows [n0, n0 + 8) as a panel: panel[b] their super-block b (rows past N: zeros).
 template <int64_t Type>
@@ -886,7 +887,7 @@ inline __m256i broadcast_quad(const void* p) {
   return _mm256_set1_epi32(quad);
 }
 
-// out[m0 + i, n0 + l] for i < MR, l < 8: MR rows of x times a panel. Per 16 values the panel's 4 quads stay in
+// out[m0 + i, n0 + l] for i < MR, l < 8: MR rows of x times a panel. Per 32 values the panel's 8 quads stay in
 // registers while each row of x takes them; each 32 values' int32 sums are set aside, and a super-block's meet
 // x's scales and the block's d together after it.
 template <int64_t Type, int MR, typename out_t>
@@ -897,25 +898,21 @@ __attribute__((noinline)) void int8_panel_rows(const Problem& p, const Quantized
   alignas(32) int32_t block_sums[8][MR][kInt8PanelRows];  // [32 values][row of x][weight row]
   for (int64_t b = 0; b < p.K / 256; ++b) {
     const Int8Block& w = panel[b];
-    for (int j = 0; j < 8; ++j) {  // sub-blocks of 32 values, a group of x each
-      __m256i sums[MR];
-      for (int m = 0; m < MR; ++m) sums[m] = _mm256_setzero_si256();
-      for (int g = 2 * j; g < 2 * j + 2; ++g) {  // 16 values under one scale: 4 quads
-        const __m256i u[4] = {load_block(w.codes[4 * g]), load_block(w.codes[4 * g + 1]),
-                              load_block(w.codes[4 * g + 2]), load_block(w.codes[4 * g + 3])};
-        for (int m = 0; m < MR; ++m) {
-          const int8_t* xg = qx.q.data() + (m0 + m) * p.K + 256 * b + 16 * g;
-          __m256i t = _mm256_setzero_si256();
-          for (int i = 0; i < 4; ++i) {
-            t = _mm256_add_epi16(t, _mm256_maddubs_epi16(u[i], broadcast_quad(xg + 4 * i)));
-            if (i % kQuadsInt16<Type> == kQuadsInt16<Type> - 1) {  // int16 sums as far as they cannot overflow
-              sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(t, load_block(w.scales[g])));
-              t = _mm256_setzero_si256();
-            }
+    for (int j = 0; j < 8; ++j) {  // sub-blocks of 32 values (8 quads), a group of x each
+      __m256i u[8];
+      for (int i = 0; i < 8; ++i) u[i] = load_block(w.codes[8 * j + i]);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xj = qx.q.data() + (m0 + m) * p.K + 256 * b + 32 * j;
+        __m256i sum = _mm256_setzero_si256(), t = _mm256_setzero_si256();
+        for (int i = 0; i < 8; ++i) {
+          t = _mm256_add_epi16(t, _mm256_maddubs_epi16(u[i], broadcast_quad(xj + 4 * i)));
+          if (i % kQuadsInt16<Type> == kQuadsInt16<Type> - 1) {  // int16 sums as far as they cannot overflow
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(t, load_block(w.scales[2 * j + i / 4])));
+            t = _mm256_setzero_si256();
           }
         }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(block_sums[j][m]), sum);
       }
-      for (int m = 0; m < MR; ++m) _mm256_store_si256(reinterpret_cast<__m256i*>(block_sums[j][m]), sums[m]);
     }
     const __m256 d = _mm256_load_ps(w.d);
     for (int m = 0; m < MR; ++m) {
