@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from kvserve.config import TEXT_MODEL_OF, ModelConfig, ModelLoadError
+from kvserve.heap import keep_freed_blocks
 from kvserve.model.cpu_isa import native_bf16, selected_isa
 from kvserve.model.cpu_kernels import cpu_kernels, packed_weights_are_faster
 from kvserve.model.demo import DEMO_MODEL_NAME, demo_model_path
@@ -154,6 +155,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str | torc
     torch_dtype, kv_dtype = resolve_dtypes(dtype, config, device)
     tokenizer = source.tokenizer()
     kernels = cpu_kernels() if device.type == "cpu" else None
+    if device.type == "cpu":
+        keep_freed_blocks()
     weight_dtype = held_weight_dtype(source.matrix_dtype(), torch_dtype, kernels)
     with torch.device(device):
         net = MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)(config, torch_dtype, shard, weight_dtype)
