@@ -9,7 +9,9 @@
 //   time, and multiplied by torch's matmul: the same arithmetic as a dequantized weight's matmul, without ever
 //   holding the whole weight dequantized. On CPUs with AMX, bf16 x takes AMX's tile products instead: 9 to 48
 //   rows (a batched decode step) multiply 16 weight rows at a time, decoded into a tile in L1; more rows
-//   (prefill) multiply panels of 32 weight rows decoded once per call into L2.
+//   (prefill) multiply panels of 32 weight rows decoded once per call into L2. On CPUs without bf16 dot
+//   products (fp32 x), K-quant weights take int8 panels instead: x rounded to int8 per 32 values and multiplied
+//   by integer dot products over panels of 8 weight rows decoded once per call (see "int8 panels").
 //
 // A 16-bit or fp32 weight (ggml's F16, BF16, F32: a checkpoint's plain rows) is held once and read here too: up
 // to 8 rows by small_batch_linear's walk, 9 to 48 rows of bf16 x on AMX tiles as above, more rows by torch's
