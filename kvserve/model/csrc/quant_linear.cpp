@@ -816,15 +816,16 @@ void gemm_slices(const torch::Tensor& x, const Problem& p, const torch::Tensor& 
 // ---------------------------------------------------------------------------------------------- int8 panels
 #if defined(__AVX2__) && !defined(__AVX512BF16__)
 // Prefill-sized batches of K-quant weights on CPUs without bf16 dot products (the AVX2 and AVX-512 families),
-// where the slices' fp32 matmul is bound by the FMA units: x is quantized to int8 per 256 values as the walk
-// quantizes it, and the products are taken by vpmaddubsw (32 multiply-adds a cycle where fp32 FMAs take 16).
-// Weight rows are decoded once per call, 8 at a time, into panels whose lanes are weight rows: quad q (4 codes)
-// of each of the 8 rows side by side in 32 bytes, so one broadcast of 4 of x's bytes multiplies 8 rows and each
-// int32 lane sums one output (no horizontal sums). A row's value is d * scale * u - dmin * min per 16 values
-// (Q6_K: u its 6-bit code, min 32 * scale, dmin = d), so per super-block of 256 values
-//   out[m, n] += d * dx * sum(scale * u * qx) - dmin * dx * sum(min * sum16(qx)),
-// both sums exact in int32, meeting fp32 once. A thread decodes a group of panels that stays in L2, then takes
-// x 8 rows at a time across the whole group.
+// where the slices' fp32 matmul is bound by the FMA units: x is quantized to int8 with one scale dx per 32 values
+// (the walk's rounding; per 256, as llama.cpp rounds for K-quants, cost perplexity where activations have
+// outliers: RESULTS.md, section 27), and the products are taken by vpmaddubsw (32 multiply-adds a cycle where fp32 FMAs take 16). Weight rows are
+// decoded once per call, 8 at a time, into panels whose lanes are weight rows: quad q (4 codes) of each of the
+// 8 rows side by side in 32 bytes, so one broadcast of 4 of x's bytes multiplies 8 rows and each int32 lane
+// sums one output (no horizontal sums). A row's value is d * scale * u - dmin * min per 16 values (Q6_K: u its
+// 6-bit code, min 32 * scale, dmin = d), so per 32 values j of a super-block
+//   out[m, n] += d * dx_j * sum_j(scale * u * qx) - dmin * min_j * dx_j * sum_j(qx),
+// the first sum exact in int32, meeting x's scale per 32 values and d once per super-block. A thread decodes a
+// group of panels that stays in L2, then takes x 8 rows at a time across the whole group.
 constexpr int64_t kInt8PanelRows = 8;                  // lanes of int32 in a register
 constexpr int kInt8TileRows = kMaxWalkRows;             // rows of x per pass over a panel (with_rows)
 
