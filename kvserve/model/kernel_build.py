@@ -23,8 +23,8 @@ KERNELS_DIR = Path(__file__).parent  # where the install puts the modules (in pl
 CSRC = KERNELS_DIR / "csrc"
 
 # Compiled together into each family's module; the headers they include live beside them in csrc/.
-SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_fp32.cpp", "kv_quantize.cpp",
-           "small_batch_linear.cpp", "quant_linear.cpp", "argmax.cpp")
+SOURCES = ("module.cpp", "paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_fp32.cpp",
+           "kv_quantize.cpp", "small_batch_linear.cpp", "quant_linear.cpp", "argmax.cpp")
 
 # -fopenmp: at::parallel_for is header code that runs serially unless OpenMP is on at compile time. The
 # family's own flags come after these (never -march=native: a module must run on every CPU of its family).

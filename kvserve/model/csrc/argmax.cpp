@@ -2,7 +2,8 @@
 // (the first one). torch's reduction over a vocabulary row costs many times its reading, and greedy decoding pays
 // it every step for every row of the batch; a scalar loop with a branch per element still costs a tenth of a
 // batch-32 decode step, so rows are scanned in vectors, split over the threads.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include "simd.h"
 
@@ -97,17 +98,17 @@ int64_t first_argmax_row(const scalar_t* row, int64_t n) {
 }  // namespace
 
 // logits [rows, n] (n >= 1), fp32 or bf16 -> int64 [rows].
-torch::Tensor first_argmax(torch::Tensor logits) {
+at::Tensor first_argmax(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits [rows, n] with n >= 1");
-  TORCH_CHECK(logits.scalar_type() == torch::kFloat || logits.scalar_type() == torch::kBFloat16, "fp32 or bf16");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16, "fp32 or bf16");
   logits = logits.contiguous();
   const int64_t rows = logits.size(0), n = logits.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* indices = out.data_ptr<int64_t>();
   // A batch's rows split over the threads; one row (a single stream) stays on the caller's.
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      indices[r] = logits.scalar_type() == torch::kFloat
+      indices[r] = logits.scalar_type() == at::kFloat
           ? first_argmax_row(logits.data_ptr<float>() + r * n, n)
           : first_argmax_row(logits.data_ptr<at::BFloat16>() + r * n, n);
   });

@@ -12,7 +12,7 @@
 //     point z from its block's channel bytes [num_blocks, num_kv_heads, 2, head_dim] (steps, then zero points).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -185,17 +185,17 @@ struct Source {
 
 // Builds a Source from the tensors kvserve/cache/storage/kv_storage.py keeps (scales may be an empty tensor for fp8).
 // keys: this is K (int4 keys have their own layout).
-inline Source make_source(const torch::Tensor& data, const torch::Tensor& scales, double tensor_scale,
+inline Source make_source(const at::Tensor& data, const at::Tensor& scales, double tensor_scale,
                           int64_t format, int64_t head_dim, bool keys) {
   TORCH_CHECK(format >= kFp8E4m3 && format <= kInt4, "unknown quantized KV format ", format);
   TORCH_CHECK(data.is_contiguous() && data.element_size() == 1 && data.dim() == 4,
               "quantized KV data: contiguous bytes [blocks, block_size, kv_heads, data_dim]");
   const bool channel_keys = keys && format == kInt4;
-  TORCH_CHECK(format != kInt8 || (scales.is_contiguous() && scales.scalar_type() == torch::kByte),
+  TORCH_CHECK(format != kInt8 || (scales.is_contiguous() && scales.scalar_type() == at::kByte),
               "int8 KV scales: contiguous uint8");
-  TORCH_CHECK(format != kInt4 || channel_keys || (scales.is_contiguous() && scales.scalar_type() == torch::kHalf),
+  TORCH_CHECK(format != kInt4 || channel_keys || (scales.is_contiguous() && scales.scalar_type() == at::kHalf),
               "int4 value scales: contiguous fp16");
-  TORCH_CHECK(!channel_keys || (scales.is_contiguous() && scales.scalar_type() == torch::kByte && scales.dim() == 4 &&
+  TORCH_CHECK(!channel_keys || (scales.is_contiguous() && scales.scalar_type() == at::kByte && scales.dim() == 4 &&
                                 scales.size(0) == data.size(0) && scales.size(2) == 2 && scales.size(3) == head_dim),
               "int4 key channel bytes: contiguous uint8 [blocks, kv_heads, 2, head_dim]");
   const bool scaled = format == kInt8 || format == kInt4;

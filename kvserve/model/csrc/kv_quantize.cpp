@@ -4,7 +4,7 @@
 // chain of ~25 torch ops per layer and step that the portable path runs. Both multiply by the scale's
 // reciprocal rather than divide: -ffast-math would turn a division into that anyway, in some loops and not
 // others, and values exactly between two codes would round differently.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -100,7 +100,7 @@ void quantize_row(const float* x, int64_t dim, int64_t format, int64_t row, cons
   }
 }
 
-Target make_target(const torch::Tensor& data, const torch::Tensor& scales, double tensor_scale, int64_t format) {
+Target make_target(const at::Tensor& data, const at::Tensor& scales, double tensor_scale, int64_t format) {
   TORCH_CHECK(data.is_contiguous() && data.element_size() == 1, "quantized KV data: contiguous bytes");
   const bool scaled = format == kvq::kInt8 || format == kvq::kInt4;
   TORCH_CHECK(!scaled || scales.is_contiguous(), "KV scales must be contiguous");
@@ -170,13 +170,13 @@ void store_row(void* base, at::ScalarType type, int64_t index, int64_t dim, cons
 // the block's rows [0, hi] are quantized together. key: [tokens, kv_heads, head_dim] (dense rows); codes:
 // [blocks, block_size, kv_heads, head_dim / 2] uint8; channels: [blocks, kv_heads, 2, head_dim] uint8; stage:
 // [rows, block_size, kv_heads, head_dim] (fp32, bf16 or fp16; may be empty when no plan row uses it).
-void write_int4_keys(torch::Tensor key, torch::Tensor plan, torch::Tensor codes, torch::Tensor channels,
-                     torch::Tensor stage) {
+void write_int4_keys(at::Tensor key, at::Tensor plan, at::Tensor codes, at::Tensor channels,
+                     at::Tensor stage) {
   TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1, "key: [tokens, kv_heads, head_dim] with dense rows");
-  TORCH_CHECK(plan.scalar_type() == torch::kLong && plan.is_contiguous() && plan.dim() == 2 && plan.size(1) == 6,
+  TORCH_CHECK(plan.scalar_type() == at::kLong && plan.is_contiguous() && plan.dim() == 2 && plan.size(1) == 6,
               "plan: [runs, 6] int64");
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kByte && channels.is_contiguous() &&
-              channels.scalar_type() == torch::kByte, "codes, channels: contiguous uint8");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && channels.is_contiguous() &&
+              channels.scalar_type() == at::kByte, "codes, channels: contiguous uint8");
   TORCH_CHECK(stage.is_contiguous(), "stage: contiguous");
   const int64_t heads = key.size(1), dim = key.size(2), block_size = codes.size(1), num_blocks = codes.size(0);
   TORCH_CHECK(dim % 2 == 0 && codes.size(2) == heads && codes.size(3) == dim / 2 && channels.size(0) == num_blocks &&
@@ -225,27 +225,27 @@ void write_int4_keys(torch::Tensor key, torch::Tensor plan, torch::Tensor codes,
 // key, value: [tokens, num_kv_heads, head_dim] in the model's dtype (any token/head strides, dense rows);
 // slot_mapping: [tokens] int64; the caches as paged_decode_attention_quantized takes them. For int4 only the
 // values: its keys are written by write_int4_keys.
-void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_data,
-                        torch::Tensor v_data, torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
+void write_quantized_kv(at::Tensor key, at::Tensor value, at::Tensor slot_mapping, at::Tensor k_data,
+                        at::Tensor v_data, at::Tensor k_scales, at::Tensor v_scales, double k_tensor_scale,
                         double v_tensor_scale, int64_t format) {
   TORCH_CHECK(format >= kvq::kFp8E4m3 && format <= kvq::kInt4, "unknown quantized KV format ", format);
   TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.dim() == 3 && value.stride(2) == 1,
               "key, value: [tokens, kv_heads, head_dim] with dense rows");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
   const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
   TORCH_CHECK(format != kvq::kInt4 || dim % 2 == 0, "int4 needs an even head_dim");
   const Target targets[2] = {make_target(k_data, k_scales, k_tensor_scale, format),
                              make_target(v_data, v_scales, v_tensor_scale, format)};
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_quantized_kv", [&] {
-    const torch::Tensor* sources[2] = {&key, &value};
+    const at::Tensor* sources[2] = {&key, &value};
     const int first = format == kvq::kInt4 ? 1 : 0;  // int4 keys are written per block (write_int4_keys)
     at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
       std::vector<float> row(dim);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t t = i / heads, h = i % heads;
         for (int which = first; which < 2; ++which) {
-          const torch::Tensor& source = *sources[which];
+          const at::Tensor& source = *sources[which];
           const scalar_t* x = source.data_ptr<scalar_t>() + t * source.stride(0) + h * source.stride(1);
           for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(x[d]);
           quantize_row(row.data(), dim, format, slots[t] * heads + h, targets[which]);
@@ -259,11 +259,11 @@ void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor sl
 // model's dtype or, under an fp32 model, bf16/fp16): each row copied, or rounded to the cache's dtype as
 // Tensor.to rounds it. One call per layer instead of two index_copy_ and their views (~15 us a layer of a
 // single stream's decode step).
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_cache,
-              torch::Tensor v_cache) {
+void write_kv(at::Tensor key, at::Tensor value, at::Tensor slot_mapping, at::Tensor k_cache,
+              at::Tensor v_cache) {
   TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.dim() == 3 && value.stride(2) == 1,
               "key, value: [tokens, kv_heads, head_dim] with dense rows");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               "caches: contiguous, one dtype");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value: one dtype");
@@ -275,10 +275,10 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping
   auto copy = [&](auto* source_tag, auto* cache_tag) {
     using source_t = std::remove_pointer_t<decltype(source_tag)>;
     using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
-    const torch::Tensor* sources[2] = {&key, &value};
+    const at::Tensor* sources[2] = {&key, &value};
     cache_t* caches[2] = {k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>()};
     for (int which = 0; which < 2; ++which) {
-      const torch::Tensor& source = *sources[which];
+      const at::Tensor& source = *sources[which];
       const source_t* base = source.data_ptr<source_t>();
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t h = 0; h < heads; ++h) {
@@ -294,9 +294,9 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping
       copy(static_cast<scalar_t*>(nullptr), static_cast<scalar_t*>(nullptr));
     });
   } else {
-    TORCH_CHECK(key.scalar_type() == torch::kFloat && (cache_type == torch::kBFloat16 || cache_type == torch::kHalf),
+    TORCH_CHECK(key.scalar_type() == at::kFloat && (cache_type == at::kBFloat16 || cache_type == at::kHalf),
                 "key/value in the cache's dtype, or fp32 into a bf16/fp16 cache");
-    if (cache_type == torch::kBFloat16) copy(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+    if (cache_type == at::kBFloat16) copy(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
     else copy(static_cast<float*>(nullptr), static_cast<at::Half*>(nullptr));
   }
 }

@@ -6,7 +6,7 @@
 // merged (flash decoding). Scores and softmax are fp32; the output is written in the query's dtype.
 // Built once per ISA family (simd.h): AVX-512 (with vdpbf16ps scores where AVX512-BF16 is, and VNNI integer
 // scores over int8/int4 caches beside it), AVX2 + FMA, and plain C++ for anything else.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -1194,10 +1194,10 @@ PartPlan plan_parts(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads,
   return plan;
 }
 
-SharedPrefixes shared_prefixes(const torch::Tensor& shared_lens, const torch::Tensor& shared_leaders,
+SharedPrefixes shared_prefixes(const at::Tensor& shared_lens, const at::Tensor& shared_leaders,
                                int64_t num_seqs) {
   if (shared_lens.numel() == 0) return {};
-  TORCH_CHECK(shared_lens.scalar_type() == torch::kLong && shared_leaders.scalar_type() == torch::kLong &&
+  TORCH_CHECK(shared_lens.scalar_type() == at::kLong && shared_leaders.scalar_type() == at::kLong &&
               shared_lens.is_contiguous() && shared_leaders.is_contiguous() && shared_lens.numel() == num_seqs &&
               shared_leaders.numel() == num_seqs, "shared_lens and shared_leaders: int64 [num_seqs] (or empty)");
   return {shared_lens.data_ptr<int64_t>(), shared_leaders.data_ptr<int64_t>()};
@@ -1314,24 +1314,24 @@ DecodeTaskFn<q_t, cache_t> decode_task_for(int64_t head_dim) {
          : head_dim == 128 ? decode_task<q_t, cache_t, 128> : decode_task<q_t, cache_t, 0>;
 }
 
-void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+void check_decode_inputs(const at::Tensor& q, const at::Tensor& block_tables, const at::Tensor& context_lens,
                          int64_t num_kv_heads) {
   TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
-  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kLong, "block_tables: int64");
-  TORCH_CHECK(context_lens.scalar_type() == torch::kLong, "context_lens: int64");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong, "context_lens: int64");
   TORCH_CHECK(q.size(1) % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
 }
 
 // Decode attention with every task reading the paged cache in place (a 16-bit or fp32 cache, or an int8 cache's
 // codes with its row scales). caches: [num_blocks, block_size, num_kv_heads, head_dim] elements of cache_t.
 template <typename q_t, typename cache_t>
-torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, const cache_t* v_cache,
-                              int64_t block_size, int64_t num_kv_heads, const torch::Tensor& block_tables,
-                              const torch::Tensor& context_lens, double scale, int64_t sliding_window,
+at::Tensor decode_in_place(const at::Tensor& q, const cache_t* k_cache, const cache_t* v_cache,
+                              int64_t block_size, int64_t num_kv_heads, const at::Tensor& block_tables,
+                              const at::Tensor& context_lens, double scale, int64_t sliding_window,
                               CacheScales cache_scales, SharedPrefixes shared) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   int64_t max_part_tokens = 0;
 #if defined(KVSERVE_AMX)
@@ -1375,14 +1375,14 @@ torch::Tensor decode_in_place(const torch::Tensor& q, const cache_t* k_cache, co
 // sliding_window <= 0 means none. shared_lens / shared_leaders: [num_seqs] int64, or empty for none: sequences
 // with the same leader (its first member) share their first shared_lens tokens' blocks, read once for all of
 // them (0: not in a group). Returns [num_seqs, num_heads, head_dim].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t sliding_window, torch::Tensor shared_lens, torch::Tensor shared_leaders) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor context_lens, double scale,
+                                     int64_t sliding_window, at::Tensor shared_lens, at::Tensor shared_leaders) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() ||
-              (q.scalar_type() == torch::kFloat && (k_cache.scalar_type() == torch::kBFloat16 ||
-                                                   k_cache.scalar_type() == torch::kHalf)),
+              (q.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kBFloat16 ||
+                                                   k_cache.scalar_type() == at::kHalf)),
               "the KV cache must be in the query's dtype, or bf16/fp16 under an fp32 query");
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
@@ -1392,9 +1392,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     return decode_in_place<q_t>(q, k_ptr, v_ptr, block_size, num_kv_heads, block_tables, context_lens, scale,
                                 sliding_window, CacheScales{}, shared);
   };
-  if (k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat)
+  if (k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kFloat)
     return run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), float{});
-  if (k_cache.scalar_type() == torch::kHalf && q.scalar_type() == torch::kFloat)
+  if (k_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat)
     return run(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), float{});
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     return run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), scalar_t{});
@@ -1413,11 +1413,11 @@ constexpr int64_t kMaxDequantPartTokens = 256;  // 256 x 128 dims x 4 B x (K + V
 // k_data/v_data: [num_blocks, block_size, num_kv_heads, data_dim] bytes; k_scales/v_scales: int8's scale bytes
 // or int4's fp16 [..., groups] (empty for fp8); k_tensor_scale/v_tensor_scale: fp8's per-layer scales; format:
 // kvq::Format.
-torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
-                                               torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
-                                               double v_tensor_scale, int64_t format, torch::Tensor block_tables,
-                                               torch::Tensor context_lens, double scale, int64_t sliding_window,
-                                               torch::Tensor shared_lens, torch::Tensor shared_leaders) {
+at::Tensor paged_decode_attention_quantized(at::Tensor q, at::Tensor k_data, at::Tensor v_data,
+                                               at::Tensor k_scales, at::Tensor v_scales, double k_tensor_scale,
+                                               double v_tensor_scale, int64_t format, at::Tensor block_tables,
+                                               at::Tensor context_lens, double scale, int64_t sliding_window,
+                                               at::Tensor shared_lens, at::Tensor shared_leaders) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_data.size(1), num_kv_heads = k_data.size(2);
   check_decode_inputs(q, block_tables, context_lens, num_kv_heads);
@@ -1444,7 +1444,7 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
   if (format == kvq::kFp8E5m2) return fp8_in_place(Fp8E5m2{});
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
 #if defined(KVSERVE_INT4_IN_PLACE)
   if (format == kvq::kInt4 && int4_in_place(head_dim)) {
@@ -1522,10 +1522,10 @@ void rms_norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int6
 }  // namespace
 
 // out = weight * rms_normalise(x) over the last dim.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type());
   const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
@@ -1538,11 +1538,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // residual += x (rounded in the model dtype, as `residual + x` would), then returns weight * rms_normalise(residual).
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous());
   TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type());
   const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* rp = residual.data_ptr<scalar_t>();
@@ -1563,10 +1563,10 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
 // Rotary embedding in place on the q and k parts of a fused qkv activation [tokens, (heads + 2 kv_heads) * dim]:
 // x = x * cos + rotate_half(x) * sin, with cos/sin rounded to the model dtype and each product rounded,
 // as the reference computes it. cos_sin: [max_positions, dim] fp32 caches of cos and sin.
-void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_cache, torch::Tensor sin_cache,
+void rotary_qk_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_cache, at::Tensor sin_cache,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.is_contiguous() && positions.scalar_type() == torch::kLong);
-  TORCH_CHECK(cos_cache.scalar_type() == torch::kFloat && sin_cache.scalar_type() == torch::kFloat);
+  TORCH_CHECK(qkv.is_contiguous() && positions.scalar_type() == at::kLong);
+  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && sin_cache.scalar_type() == at::kFloat);
   const int64_t tokens = qkv.size(0), width = qkv.size(1), rotated_heads = num_heads + num_kv_heads;
   const int64_t half = head_dim / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -1596,10 +1596,10 @@ void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_ca
 }
 
 // silu(gate) * up for gate_up = [tokens, 2 * inter] (gate first), rounding after silu as the reference does.
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.is_contiguous());
   const int64_t tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({tokens, inter}, gate_up.options());
+  auto out = at::empty({tokens, inter}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -1616,84 +1616,4 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     });
   });
   return out;
-}
-
-// kv_quantize.cpp
-void write_quantized_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_data,
-                        torch::Tensor v_data, torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
-                        double v_tensor_scale, int64_t format);
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping, torch::Tensor k_cache,
-              torch::Tensor v_cache);
-void write_int4_keys(torch::Tensor key, torch::Tensor plan, torch::Tensor codes, torch::Tensor channels,
-                     torch::Tensor stage);
-
-// prefill_attention.cpp, prefill_attention_fp32.cpp
-void paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                  torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
-                                  double scale, int64_t sliding_window, torch::Tensor out);
-bool has_prefill_attention_bf16();
-void paged_prefill_attention_fp32(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                  torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
-                                  double scale, int64_t sliding_window, torch::Tensor out);
-int64_t prefill_attention_fp32_head_dim_multiple();
-void paged_prefill_attention_fp32_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
-                                            torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
-                                            double v_tensor_scale, int64_t format, torch::Tensor block_tables,
-                                            torch::Tensor query_starts, torch::Tensor num_past, double scale,
-                                            int64_t sliding_window, torch::Tensor out);
-void paged_prefill_attention_bf16_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
-                                            torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
-                                            double v_tensor_scale, int64_t format, torch::Tensor block_tables,
-                                            torch::Tensor query_starts, torch::Tensor num_past, double scale,
-                                            int64_t sliding_window, torch::Tensor out);
-
-// small_batch_linear.cpp
-torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor bias);
-bool small_batch_linear_has_bf16_dot();
-int64_t small_batch_linear_max_rows();
-
-// argmax.cpp
-torch::Tensor first_argmax(torch::Tensor logits);
-
-// quant_linear.cpp
-void quant_linear_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch::Tensor bias, torch::Tensor out,
-                      int64_t col);
-void quant_rows_out(torch::Tensor blocks, int64_t type, torch::Tensor ids, torch::Tensor out);
-bool quant_linear_reads(int64_t type);
-bool quant_linear_uses_amx();
-bool quant_linear_int8_batches();
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
-        "prefill attention over a paged KV cache, all segments of a step in one call (CPU, bf16, AVX512-BF16)");
-  m.def("has_prefill_attention_bf16", &has_prefill_attention_bf16, "whether the bf16 prefill kernel was built");
-  m.def("paged_prefill_attention_fp32", &paged_prefill_attention_fp32,
-        "prefill attention over a paged KV cache, all segments of a step in one call (CPU, fp32, AVX2 or AVX-512)");
-  m.def("prefill_attention_fp32_head_dim_multiple", &prefill_attention_fp32_head_dim_multiple,
-        "head_dim multiple the fp32 prefill kernel needs (0: not built)");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
-  m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
-        "decode attention over a paged fp8/int8/int4 KV cache (CPU)");
-  m.def("paged_prefill_attention_fp32_quantized", &paged_prefill_attention_fp32_quantized,
-        "fp32 prefill attention over a paged fp8/int8/int4 KV cache (CPU, AVX2 or AVX-512)");
-  m.def("paged_prefill_attention_bf16_quantized", &paged_prefill_attention_bf16_quantized,
-        "bf16 prefill attention over a paged fp8/int8/int4 KV cache (CPU, AVX512-BF16)");
-  m.def("write_kv", &write_kv, "copy new K/V rows into their slots of an unquantized cache (CPU)");
-  m.def("write_int4_keys", &write_int4_keys, "quantize int4 keys block by block from their staged originals (CPU)");
-  m.def("write_quantized_kv", &write_quantized_kv, "quantize new K/V rows into their slots of an fp8/int8/int4 cache (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then RMSNorm of the residual (CPU)");
-  m.def("rotary_qk_", &rotary_qk_, "rotary embedding in place on q and k of a fused qkv tensor (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
-  m.def("small_batch_linear", &small_batch_linear, "x @ weight.T (+ bias) for 1-2 rows over a plain weight (CPU)");
-  m.def("small_batch_linear_has_bf16_dot", &small_batch_linear_has_bf16_dot, "whether bf16 x bf16 uses AVX512-BF16");
-  m.def("small_batch_linear_max_rows", &small_batch_linear_max_rows, "the most rows small_batch_linear takes");
-  m.def("first_argmax", &first_argmax, "each row's first maximum, as torch.max(dim=-1).indices (CPU)");
-  m.def("quant_linear_out", &quant_linear_out,
-        "out[:, col:col+N] = x @ W.T (+ bias), W held as rows of GGUF blocks, any batch size (CPU)");
-  m.def("quant_rows_out", &quant_rows_out, "rows of a weight held as GGUF blocks, decoded (embedding lookup) (CPU)");
-  m.def("quant_linear_reads", &quant_linear_reads, "whether quant_linear reads this ggml type");
-  m.def("quant_linear_uses_amx", &quant_linear_uses_amx, "whether batched decode over blocks runs on AMX tiles");
-  m.def("quant_linear_int8_batches", &quant_linear_int8_batches,
-        "whether more than 8 rows of fp32 x over K-quant blocks are quantized to int8");
 }

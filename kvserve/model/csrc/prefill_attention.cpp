@@ -15,7 +15,7 @@
 //     stays in cache at any context length. Scores are fp32, probabilities bf16 for the PV product. On CPUs
 //     with AMX both products run on tiles (the packed layouts are already their right operands).
 // Segments and tasks are planned as for every prefill kernel (prefill_plan.h).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -327,10 +327,10 @@ namespace {
 // Plans, packs each (segment, KV head) with pack(seg, head, k_dst, v_dst), and attends; `cache_shape` is the
 // cache's [num_blocks, block_size, num_kv_heads, ...].
 template <typename Pack>
-void prefill_bf16(const torch::Tensor& q, at::IntArrayRef cache_shape, const torch::Tensor& block_tables,
-                  const torch::Tensor& query_starts, const torch::Tensor& num_past, double scale,
-                  int64_t sliding_window, torch::Tensor& out, Pack&& pack) {
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+void prefill_bf16(const at::Tensor& q, at::IntArrayRef cache_shape, const at::Tensor& block_tables,
+                  const at::Tensor& query_starts, const at::Tensor& num_past, double scale,
+                  int64_t sliding_window, at::Tensor& out, Pack&& pack) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "the bf16 prefill kernel takes a bf16 query and output");
   const Shape shape = prefill::query_shape(q, out, cache_shape, 64, scale, sliding_window);
   const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -349,10 +349,10 @@ void prefill_bf16(const torch::Tensor& q, at::IntArrayRef cache_shape, const tor
 // num_kv_heads, head_dim] bf16, already holding the new tokens' K/V. Segment s covers query rows
 // [query_starts[s], query_starts[s + 1]) at context positions num_past[s].. ; block_tables: [segments,
 // max_blocks] int64. sliding_window <= 0 means none.
-void paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                  torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
-                                  double scale, int64_t sliding_window, torch::Tensor out) {
-  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16,
+void paged_prefill_attention_bf16(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor query_starts, at::Tensor num_past,
+                                  double scale, int64_t sliding_window, at::Tensor out) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
               "paged_prefill_attention_bf16 takes a bf16 cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches contiguous");
   const int64_t head_dim = q.size(2), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -365,11 +365,11 @@ void paged_prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch:
 }
 
 // The same over a quantized cache (the arguments of paged_decode_attention_quantized).
-void paged_prefill_attention_bf16_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
-                                            torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
-                                            double v_tensor_scale, int64_t format, torch::Tensor block_tables,
-                                            torch::Tensor query_starts, torch::Tensor num_past, double scale,
-                                            int64_t sliding_window, torch::Tensor out) {
+void paged_prefill_attention_bf16_quantized(at::Tensor q, at::Tensor k_data, at::Tensor v_data,
+                                            at::Tensor k_scales, at::Tensor v_scales, double k_tensor_scale,
+                                            double v_tensor_scale, int64_t format, at::Tensor block_tables,
+                                            at::Tensor query_starts, at::Tensor num_past, double scale,
+                                            int64_t sliding_window, at::Tensor out) {
   const int64_t head_dim = q.size(2), block_size = k_data.size(1);
   const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim, true);
   const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim, false);
@@ -383,16 +383,16 @@ bool has_prefill_attention_bf16() { return true; }
 
 #else
 
-void paged_prefill_attention_bf16(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                                  torch::Tensor, double, int64_t, torch::Tensor) {
+void paged_prefill_attention_bf16(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                  at::Tensor, double, int64_t, at::Tensor) {
   TORCH_CHECK(false, "the bf16 prefill attention kernel needs a CPU with AVX512-BF16");
 }
 
 bool has_prefill_attention_bf16() { return false; }
 
-void paged_prefill_attention_bf16_quantized(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                                            double, double, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
-                                            double, int64_t, torch::Tensor) {
+void paged_prefill_attention_bf16_quantized(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                            double, double, int64_t, at::Tensor, at::Tensor, at::Tensor,
+                                            double, int64_t, at::Tensor) {
   TORCH_CHECK(false, "the bf16 prefill attention kernel needs a CPU with AVX512-BF16");
 }
 

@@ -9,7 +9,7 @@
 //   V rows [keys][head_dim], as in the cache but contiguous.
 // A task (a block of query positions x one KV head's GQA group) walks its causal key range in chunks with an
 // online softmax (running max and sum, as flash attention does).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -223,10 +223,10 @@ namespace {
 // Plans, packs each (segment, KV head) with pack(seg, head, k_dst, v_dst), and attends; `cache_shape` is the
 // cache's [num_blocks, block_size, num_kv_heads, ...].
 template <typename Pack>
-void prefill_fp32(const torch::Tensor& q, at::IntArrayRef cache_shape, const torch::Tensor& block_tables,
-                  const torch::Tensor& query_starts, const torch::Tensor& num_past, double scale,
-                  int64_t sliding_window, torch::Tensor& out, Pack&& pack) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
+void prefill_fp32(const at::Tensor& q, at::IntArrayRef cache_shape, const at::Tensor& block_tables,
+                  const at::Tensor& query_starts, const at::Tensor& num_past, double scale,
+                  int64_t sliding_window, at::Tensor& out, Pack&& pack) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "the fp32 prefill kernel takes an fp32 query and output");
   const Shape shape = prefill::query_shape(q, out, cache_shape, kLanes, scale, sliding_window);
   const float* q_ptr = q.data_ptr<float>();
@@ -243,21 +243,21 @@ void prefill_fp32(const torch::Tensor& q, at::IntArrayRef cache_shape, const tor
 // Same contract as paged_prefill_attention_bf16, in fp32: q [tokens, num_heads, head_dim] (token stride free),
 // out [tokens, num_heads * head_dim] written only at the segments' rows, caches holding the new tokens' K/V
 // (fp32, or bf16/fp16 under an fp32 model, widened while packing).
-void paged_prefill_attention_fp32(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                  torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor num_past,
-                                  double scale, int64_t sliding_window, torch::Tensor out) {
+void paged_prefill_attention_fp32(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor query_starts, at::Tensor num_past,
+                                  double scale, int64_t sliding_window, at::Tensor out) {
   const auto cache_type = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == cache_type &&
-              (cache_type == torch::kFloat || cache_type == torch::kBFloat16 || cache_type == torch::kHalf),
+              (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf),
               "paged_prefill_attention_fp32 takes an fp32, bf16 or fp16 cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches contiguous");
   const int64_t head_dim = q.size(2), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   prefill_fp32(q, k_cache.sizes(), block_tables, query_starts, num_past, scale, sliding_window, out,
                [&](const Segment& seg, int64_t h, float* k_dst, float* v_dst) {
-                 if (cache_type == torch::kBFloat16)
+                 if (cache_type == at::kBFloat16)
                    pack_head(seg, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_size,
                              num_kv_heads, h, head_dim, k_dst, v_dst);
-                 else if (cache_type == torch::kHalf)
+                 else if (cache_type == at::kHalf)
                    pack_head(seg, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), block_size, num_kv_heads,
                              h, head_dim, k_dst, v_dst);
                  else
@@ -267,11 +267,11 @@ void paged_prefill_attention_fp32(torch::Tensor q, torch::Tensor k_cache, torch:
 }
 
 // The same over a quantized cache (the arguments of paged_decode_attention_quantized).
-void paged_prefill_attention_fp32_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
-                                            torch::Tensor k_scales, torch::Tensor v_scales, double k_tensor_scale,
-                                            double v_tensor_scale, int64_t format, torch::Tensor block_tables,
-                                            torch::Tensor query_starts, torch::Tensor num_past, double scale,
-                                            int64_t sliding_window, torch::Tensor out) {
+void paged_prefill_attention_fp32_quantized(at::Tensor q, at::Tensor k_data, at::Tensor v_data,
+                                            at::Tensor k_scales, at::Tensor v_scales, double k_tensor_scale,
+                                            double v_tensor_scale, int64_t format, at::Tensor block_tables,
+                                            at::Tensor query_starts, at::Tensor num_past, double scale,
+                                            int64_t sliding_window, at::Tensor out) {
   const int64_t head_dim = q.size(2), block_size = k_data.size(1);
   const kvq::Source keys = kvq::make_source(k_data, k_scales, k_tensor_scale, format, head_dim, true);
   const kvq::Source values = kvq::make_source(v_data, v_scales, v_tensor_scale, format, head_dim, false);
@@ -286,16 +286,16 @@ int64_t prefill_attention_fp32_head_dim_multiple() { return kLanes; }
 
 #else
 
-void paged_prefill_attention_fp32(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                                  torch::Tensor, double, int64_t, torch::Tensor) {
+void paged_prefill_attention_fp32(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                  at::Tensor, double, int64_t, at::Tensor) {
   TORCH_CHECK(false, "the fp32 prefill attention kernel needs AVX2 + FMA or AVX-512");
 }
 
 int64_t prefill_attention_fp32_head_dim_multiple() { return 0; }
 
-void paged_prefill_attention_fp32_quantized(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                                            double, double, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
-                                            double, int64_t, torch::Tensor) {
+void paged_prefill_attention_fp32_quantized(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                            double, double, int64_t, at::Tensor, at::Tensor, at::Tensor,
+                                            double, int64_t, at::Tensor) {
   TORCH_CHECK(false, "the fp32 prefill attention kernel needs AVX2 + FMA or AVX-512");
 }
 

@@ -4,7 +4,7 @@
 // costliest first: causal blocks near the end of a prompt see more keys than those at its start.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -27,7 +27,7 @@ struct Shape {
 };
 
 // Checks the query, output and cache shapes common to the prefill kernels; the dtypes are each kernel's own.
-inline Shape query_shape(const torch::Tensor& q, const torch::Tensor& out, at::IntArrayRef cache_shape,
+inline Shape query_shape(const at::Tensor& q, const at::Tensor& out, at::IntArrayRef cache_shape,
                          int64_t head_dim_multiple, double scale, int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [tokens, heads, head_dim], rows dense");
   TORCH_CHECK(out.is_contiguous(), "out contiguous");
@@ -44,11 +44,11 @@ struct Task {
 
 // Checks the common inputs; returns the segments and the packed buffer size per KV head (each segment's keys
 // padded to whole chunks of `chunk` keys, so tile reads stay inside the buffer).
-inline std::vector<Segment> plan_segments(const torch::Tensor& block_tables, const torch::Tensor& query_starts,
-                                          const torch::Tensor& num_past, int64_t block_size, int64_t head_dim,
+inline std::vector<Segment> plan_segments(const at::Tensor& block_tables, const at::Tensor& query_starts,
+                                          const at::Tensor& num_past, int64_t block_size, int64_t head_dim,
                                           int64_t sliding_window, int64_t chunk, int64_t& packed_size) {
-  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kLong, "block_tables: int64");
-  TORCH_CHECK(query_starts.scalar_type() == torch::kLong && num_past.scalar_type() == torch::kLong,
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
+  TORCH_CHECK(query_starts.scalar_type() == at::kLong && num_past.scalar_type() == at::kLong,
               "query_starts, num_past: int64");
   const int64_t num_segments = num_past.size(0), max_blocks = block_tables.size(1);
   const int64_t* starts = query_starts.data_ptr<int64_t>();
@@ -112,15 +112,15 @@ void run(const std::vector<Segment>& segments, const std::vector<Task>& tasks, i
 // pack(seg, head, k_dst, v_dst) fills one pair's packed keys and values; attend(task, seg, k_src, v_src, scratch)
 // reads them.
 template <typename Scratch, typename elem_t, typename Pack, typename Attend>
-void pack_and_attend(const Shape& shape, const torch::Tensor& block_tables, const torch::Tensor& query_starts,
-                     const torch::Tensor& num_past, int64_t chunk, int64_t rows_target, torch::TensorOptions options,
+void pack_and_attend(const Shape& shape, const at::Tensor& block_tables, const at::Tensor& query_starts,
+                     const at::Tensor& num_past, int64_t chunk, int64_t rows_target, at::TensorOptions options,
                      Pack&& pack, Attend&& attend) {
   const int64_t num_kv_heads = shape.num_kv_heads;
   int64_t packed_size = 0;  // per KV head
   const std::vector<Segment> segments = plan_segments(block_tables, query_starts, num_past, shape.block_size,
                                                       shape.head_dim, shape.sliding_window, chunk, packed_size);
-  auto k_packed = torch::empty({num_kv_heads, packed_size}, options);
-  auto v_packed = torch::empty({num_kv_heads, packed_size}, options);
+  auto k_packed = at::empty({num_kv_heads, packed_size}, options);
+  auto v_packed = at::empty({num_kv_heads, packed_size}, options);
   elem_t* kp = reinterpret_cast<elem_t*>(k_packed.data_ptr());
   elem_t* vp = reinterpret_cast<elem_t*>(v_packed.data_ptr());
   const std::vector<Task> tasks = plan_tasks(segments, num_kv_heads, shape.group, rows_target);

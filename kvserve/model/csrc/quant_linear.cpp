@@ -19,7 +19,7 @@
 // products, weights kept 16-bit), slices widened as blocks are decoded.
 //
 // Values are decoded as ggml (and gguf.quants) define them. Accumulation is fp32, the result rounded once.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -299,7 +299,7 @@ inline float hmax(__m256 v) {
 }
 
 // One group of x (a multiple of 16 values): d = amax / 127, q = round(x * 127 / amax) to nearest even, and each
-// 16 values' sum of q.
+// 16 values' sum of q; their total times d into `sum_d` unless it is null.
 template <typename in_t>
 inline void quantize_group(const in_t* x, int64_t group, int8_t* q, float* d, int16_t* sums, float* sum_d) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -318,18 +318,22 @@ inline void quantize_group(const in_t* x, int64_t group, int8_t* q, float* d, in
     sums[i / 16] = static_cast<int16_t>(hsum(_mm256_add_epi32(lo, hi)));
     total += sums[i / 16];
   }
-  *sum_d = *d * static_cast<float>(total);
+  if (sum_d != nullptr) *sum_d = *d * static_cast<float>(total);
 }
 
+// Walk-sized inputs (a few rows) stay on the calling thread: forking for them costs more than it saves.
+constexpr int64_t kQuantizeGrainValues = int64_t{1} << 17;
+
+// `with_sums_d`: the int8 panels read each group's sums_d; the walk does not.
 template <typename in_t>
-QuantizedX quantize_x(const in_t* x, int64_t M, int64_t K, int64_t group) {
+QuantizedX quantize_x(const in_t* x, int64_t M, int64_t K, int64_t group, bool with_sums_d) {
   const int64_t groups = M * K / group;
   QuantizedX qx{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<int16_t>(M * K / 16),
-                std::vector<float>(groups)};
-  at::parallel_for(0, groups, 4096 / group, [&](int64_t g0, int64_t g1) {
+                std::vector<float>(with_sums_d ? groups : 0)};
+  at::parallel_for(0, groups, kQuantizeGrainValues / group, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       quantize_group(x + g * group, group, qx.q.data() + g * group, qx.d.data() + g, qx.sums.data() + g * group / 16,
-                     qx.sums_d.data() + g);
+                     with_sums_d ? qx.sums_d.data() + g : nullptr);
   });
   return qx;
 }
@@ -547,7 +551,7 @@ void walk_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, o
 
 template <int64_t Type, typename in_t, typename out_t>
 void walk(const in_t* x, const Problem& p, out_t* out) {
-  const QuantizedX qx = quantize_x(x, p.M, p.K, kSuperBlocks<Type> ? 256 : 32);
+  const QuantizedX qx = quantize_x(x, p.M, p.K, kSuperBlocks<Type> ? 256 : 32, false);
   at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
     with_rows(p.M, [&](auto rows) { walk_rows<Type, decltype(rows)::value>(qx, p, n0, n1, out); });
   });
@@ -790,16 +794,16 @@ constexpr int64_t kSliceBytes = 8 << 20;
 constexpr int64_t kSliceMinRows = 256;  // fewer output columns would leave the matmul below its speed
 
 template <int64_t Type>
-void gemm_slices(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+void gemm_slices(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t rows = std::min(std::max(kSliceMinRows, kSliceBytes / (p.K * x.element_size()) / 16 * 16), p.N);
-  thread_local torch::Tensor buffer;
+  thread_local at::Tensor buffer;
   if (!buffer.defined() || buffer.scalar_type() != x.scalar_type() || buffer.numel() < rows * p.K)
-    buffer = torch::empty({rows * p.K}, x.options());
-  const torch::Tensor bias = p.bias ? torch::from_blob(const_cast<float*>(p.bias), {p.N}) : torch::Tensor();
+    buffer = at::empty({rows * p.K}, x.options());
+  const at::Tensor bias = p.bias ? at::from_blob(const_cast<float*>(p.bias), {p.N}) : at::Tensor();
   for (int64_t n0 = 0; n0 < p.N; n0 += rows) {
     const int64_t count = std::min(rows, p.N - n0);
-    const torch::Tensor w = buffer.narrow(0, 0, count * p.K).view({count, p.K});
+    const at::Tensor w = buffer.narrow(0, 0, count * p.K).view({count, p.K});
     at::parallel_for(0, count, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* row = p.w + (n0 + r) * p.row_bytes;
@@ -807,7 +811,7 @@ void gemm_slices(const torch::Tensor& x, const Problem& p, const torch::Tensor& 
         else decode_row<Type>(row, p.K, w.data_ptr<float>() + r * p.K);
       }
     });
-    torch::Tensor part = at::mm(x, w.t());
+    at::Tensor part = at::mm(x, w.t());
     if (bias.defined()) part.add_(bias.narrow(0, n0, count));
     out.narrow(1, p.out_col + n0, count).copy_(part);
   }
@@ -818,11 +822,12 @@ void gemm_slices(const torch::Tensor& x, const Problem& p, const torch::Tensor& 
 // Prefill-sized batches of K-quant weights on CPUs without bf16 dot products (the AVX2 and AVX-512 families),
 // where the slices' fp32 matmul is bound by the FMA units: x is quantized to int8 with one scale dx per 32 values
 // (the walk's rounding; per 256, as llama.cpp rounds for K-quants, cost perplexity where activations have
-// outliers: RESULTS.md, section 27), and the products are taken by vpmaddubsw (32 multiply-adds a cycle where fp32 FMAs take 16). Weight rows are
-// decoded once per call, 8 at a time, into panels whose lanes are weight rows: quad q (4 codes) of each of the
-// 8 rows side by side in 32 bytes, so one broadcast of 4 of x's bytes multiplies 8 rows and each int32 lane
-// sums one output (no horizontal sums). A row's value is d * scale * u - dmin * min per 16 values (Q6_K: u its
-// 6-bit code, min 32 * scale, dmin = d), so per 32 values j of a super-block
+// outliers: RESULTS.md, section 27), and the products are taken by vpmaddubsw (32 multiply-adds a cycle where
+// fp32 FMAs take 16). Weight rows are decoded once per call, 8 at a time, into panels whose lanes are weight
+// rows: quad q (4 codes) of each of the 8 rows side by side in 32 bytes, so one broadcast of 4 of x's bytes
+// multiplies 8 rows and each int32 lane sums one output (no horizontal sums). A row's value is
+// d * scale * u - dmin * min per 16 values (Q6_K: u its 6-bit code, min 32 * scale, dmin = d), so per 32 values
+// j of a super-block
 //   out[m, n] += d * dx_j * sum_j(scale * u * qx) - dmin * min_j * dx_j * sum_j(qx),
 // the first sum exact in int32, meeting x's scale per 32 values and d once per super-block. A thread decodes a
 // group of panels that stays in L2, then takes x 8 rows at a time across the whole group.
@@ -937,8 +942,8 @@ __attribute__((noinline)) void int8_panel_rows(const Problem& p, const Quantized
 }
 
 template <int64_t Type>
-bool uses_int8_panels(const torch::Tensor& x, const Problem& p) {
-  return kInt8Panels<Type> && p.M > kMaxWalkRows && x.scalar_type() == torch::kFloat;
+bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
+  return kInt8Panels<Type> && p.M > kMaxWalkRows && x.scalar_type() == at::kFloat;
 }
 
 template <int64_t Type, typename out_t>
@@ -966,16 +971,16 @@ void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
 }
 
 template <int64_t Type>
-void int8_panel_gemm(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
-  const QuantizedX qx = quantize_x(x.data_ptr<float>(), p.M, p.K, 32);
-  if (out.scalar_type() == torch::kBFloat16) int8_panel_gemm<Type>(qx, p, out.data_ptr<at::BFloat16>());
+void int8_panel_gemm(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
+  const QuantizedX qx = quantize_x(x.data_ptr<float>(), p.M, p.K, 32, true);
+  if (out.scalar_type() == at::kBFloat16) int8_panel_gemm<Type>(qx, p, out.data_ptr<at::BFloat16>());
   else int8_panel_gemm<Type>(qx, p, out.data_ptr<float>());
 }
 #else
 template <int64_t Type>
-bool uses_int8_panels(const torch::Tensor&, const Problem&) { return false; }
+bool uses_int8_panels(const at::Tensor&, const Problem&) { return false; }
 template <int64_t Type>
-void int8_panel_gemm(const torch::Tensor&, const Problem&, const torch::Tensor&) {}
+void int8_panel_gemm(const at::Tensor&, const Problem&, const at::Tensor&) {}
 #endif
 
 // ---------------------------------------------------------------------------------------------- AMX: batched decode
@@ -1115,11 +1120,11 @@ void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64
 }
 
 template <int64_t Type>
-void amx_gemm(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
+void amx_gemm(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
   const int64_t Mp = (p.M + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows;
   const std::vector<uint32_t> pairs = x_as_pairs(x.data_ptr<at::BFloat16>(), p.M, p.K, Mp);
   at::parallel_for(0, (p.N + kAmxTileRows - 1) / kAmxTileRows, 1, [&](int64_t t0, int64_t t1) {
-    if (out.scalar_type() == torch::kBFloat16) amx_weight_tiles<Type>(p, pairs.data(), Mp, t0, t1, out.data_ptr<at::BFloat16>());
+    if (out.scalar_type() == at::kBFloat16) amx_weight_tiles<Type>(p, pairs.data(), Mp, t0, t1, out.data_ptr<at::BFloat16>());
     else amx_weight_tiles<Type>(p, pairs.data(), Mp, t0, t1, out.data_ptr<float>());
   });
 }
@@ -1207,7 +1212,7 @@ __attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline)) void amx_
 }
 
 template <int64_t Type>
-void amx_panel_gemm(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
+void amx_panel_gemm(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   std::vector<at::BFloat16> x_tail(kAmxTileRows * p.K, at::BFloat16(0.f));
   const int64_t tail_rows = p.M % kAmxTileRows;
@@ -1226,7 +1231,7 @@ void amx_panel_gemm(const torch::Tensor& x, const Problem& p, const torch::Tenso
         const int64_t n0 = (first + i) * kPanelRows;
         decode_panel<Type>(p, n0, std::min(kPanelRows, p.N - n0), decoded, panels.data() + i * panel_words);
       }
-      if (out.scalar_type() == torch::kBFloat16)
+      if (out.scalar_type() == at::kBFloat16)
         amx_panel_products(p, xp, x_tail, panels.data(), count, first * kPanelRows, out.data_ptr<at::BFloat16>());
       else
         amx_panel_products(p, xp, x_tail, panels.data(), count, first * kPanelRows, out.data_ptr<float>());
@@ -1237,18 +1242,18 @@ void amx_panel_gemm(const torch::Tensor& x, const Problem& p, const torch::Tenso
 
 }  // namespace
 
-torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor bias);
-bool small_batch_linear_reads(torch::ScalarType x, torch::ScalarType weight);
+at::Tensor small_batch_linear(at::Tensor x, at::Tensor weight, at::Tensor bias);
+bool small_batch_linear_reads(at::ScalarType x, at::ScalarType weight);
 int64_t small_batch_linear_max_rows();
 
 namespace {
 
 // Past the walk (blocks) or small_batch_linear (dense rows), bf16 x of up to kAmxMaxRows rows goes to AMX tiles.
 template <int64_t Type>
-bool uses_amx(const torch::Tensor& x, const Problem& p) {
+bool uses_amx(const at::Tensor& x, const Problem& p) {
 #if defined(KVSERVE_AMX)
   const int64_t fewer_rows = kDense<Type> ? small_batch_linear_max_rows() : kMaxWalkRows;
-  return p.M > fewer_rows && p.M <= kAmxMaxRows && x.scalar_type() == torch::kBFloat16 &&
+  return p.M > fewer_rows && p.M <= kAmxMaxRows && x.scalar_type() == at::kBFloat16 &&
          p.K % kTileStep<Type>.values == 0 && amx::ready();
 #else
   (void)x, (void)p;
@@ -1259,34 +1264,34 @@ bool uses_amx(const torch::Tensor& x, const Problem& p) {
 // ---------------------------------------------------------------------------------------------- dispatch
 
 template <int64_t Type>
-void run_type(const torch::Tensor& x, const Problem& p, const torch::Tensor& out) {
+void run_type(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
 #if defined(KVSERVE_AMX)
   if (uses_amx<Type>(x, p)) return amx_gemm<Type>(x, p, out);
-  if (p.M > kAmxMaxRows && x.scalar_type() == torch::kBFloat16 && p.K % kAmxTileValues == 0 && amx::ready())
+  if (p.M > kAmxMaxRows && x.scalar_type() == at::kBFloat16 && p.K % kAmxTileValues == 0 && amx::ready())
     return amx_panel_gemm<Type>(x, p, out);
 #endif
   if (uses_int8_panels<Type>(x, p)) return int8_panel_gemm<Type>(x, p, out);
   if (p.M > kMaxWalkRows) return gemm_slices<Type>(x, p, out);
   auto go = [&](const auto* xp) {
-    if (out.scalar_type() == torch::kBFloat16) walk<Type>(xp, p, out.data_ptr<at::BFloat16>());
+    if (out.scalar_type() == at::kBFloat16) walk<Type>(xp, p, out.data_ptr<at::BFloat16>());
     else walk<Type>(xp, p, out.data_ptr<float>());
   };
-  if (x.scalar_type() == torch::kBFloat16) go(x.data_ptr<at::BFloat16>());
+  if (x.scalar_type() == at::kBFloat16) go(x.data_ptr<at::BFloat16>());
   else go(x.data_ptr<float>());
 }
 
 // A dense weight's rows `w` [N, K] (a view of its bytes), in place.
 template <int64_t Type>
-void run_dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, const Problem& p,
-               const torch::Tensor& out) {
-  const torch::Tensor columns = out.narrow(1, p.out_col, p.N);
+void run_dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const Problem& p,
+               const at::Tensor& out) {
+  const at::Tensor columns = out.narrow(1, p.out_col, p.N);
   if (p.M <= small_batch_linear_max_rows() && small_batch_linear_reads(x.scalar_type(), w.scalar_type()))
     return void(columns.copy_(small_batch_linear(x, w, bias)));
 #if defined(KVSERVE_AMX)
   if (uses_amx<Type>(x, p)) return amx_gemm<Type>(x, p, out);
 #endif
   if (x.scalar_type() == w.scalar_type())  // torch's matmul (oneDNN) on the rows as they are
-    return void(columns.copy_(at::linear(x, w, bias.numel() ? bias.to(x.scalar_type()) : torch::Tensor())));
+    return void(columns.copy_(at::linear(x, w, bias.numel() ? bias.to(x.scalar_type()) : at::Tensor())));
   gemm_slices<Type>(x, p, out);
 }
 
@@ -1309,9 +1314,9 @@ void with_type(int64_t type, Fn&& fn) {
 }
 
 // K of rows of `blocks` in `type`, checked.
-int64_t row_values(const torch::Tensor& blocks, int64_t type) {
+int64_t row_values(const at::Tensor& blocks, int64_t type) {
   TORCH_CHECK(known_type(type), "quant_linear does not read ggml type ", type);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(),
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blocks must be contiguous uint8 [N, row bytes]");
   const Layout layout = layout_of(type);
   TORCH_CHECK(blocks.size(1) % layout.bytes == 0, "rows of ", blocks.size(1), " bytes are not whole blocks of ",
@@ -1343,18 +1348,18 @@ bool quant_linear_uses_amx() {
 
 // out[:, col : col + N] = x @ W.T (+ bias), W's rows [N, row bytes] of ggml blocks of `type`.
 // x [M, K] fp32 or bf16; out [M, >= col + N] contiguous, fp32 or bf16; bias [N] or empty.
-void quant_linear_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch::Tensor bias, torch::Tensor out,
+void quant_linear_out(at::Tensor x, at::Tensor blocks, int64_t type, at::Tensor bias, at::Tensor out,
                       int64_t col) {
   const int64_t K = row_values(blocks, type), N = blocks.size(0);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be fp32 or bf16");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0) && col >= 0 &&
               col + N <= out.size(1), "out must be contiguous [M, >= col + N]");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16, "out: fp32 or bf16");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out: fp32 or bf16");
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias must have one value per output");
   if (x.size(0) == 0 || N == 0) return;
   x = x.contiguous();
-  const torch::Tensor bias32 = bias.numel() ? bias.to(torch::kFloat).contiguous() : bias;
+  const at::Tensor bias32 = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
   const Problem p{blocks.data_ptr<uint8_t>(), blocks.size(1), K, N,
                   bias.numel() ? bias32.data_ptr<float>() : nullptr, x.size(0), out.size(1), col};
   with_type(type, [&](auto t) {
@@ -1366,12 +1371,12 @@ void quant_linear_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch
 
 // out[i] = row ids[i] of W decoded (an embedding lookup over a weight held as blocks); out [len(ids), K]
 // contiguous fp32 or bf16.
-void quant_rows_out(torch::Tensor blocks, int64_t type, torch::Tensor ids, torch::Tensor out) {
+void quant_rows_out(at::Tensor blocks, int64_t type, at::Tensor ids, at::Tensor out) {
   const int64_t K = row_values(blocks, type), N = blocks.size(0);
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "ids must be int64 [n]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be int64 [n]");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0) && out.size(1) == K,
               "out must be contiguous [len(ids), K]");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16, "out: fp32 or bf16");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out: fp32 or bf16");
   ids = ids.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.size(0); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "row id ", id[i], " out of range");
@@ -1381,7 +1386,7 @@ void quant_rows_out(torch::Tensor blocks, int64_t type, torch::Tensor ids, torch
     constexpr int64_t Type = decltype(t)::value;
     at::parallel_for(0, ids.size(0), 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        if (out.scalar_type() == torch::kFloat) decode_row<Type>(w + id[i] * row_bytes, K, out.data_ptr<float>() + i * K);
+        if (out.scalar_type() == at::kFloat) decode_row<Type>(w + id[i] * row_bytes, K, out.data_ptr<float>() + i * K);
         else decode_row<Type>(w + id[i] * row_bytes, K, out.data_ptr<at::BFloat16>() + i * K);
       }
     });

@@ -4,7 +4,7 @@
 // KVSERVE_SIMD is defined when either is; without it the kernels' scalar paths run.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>

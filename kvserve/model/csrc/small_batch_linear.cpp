@@ -9,7 +9,7 @@
 //
 // Accumulation is in fp32 whatever the dtypes; bf16 x bf16 uses AVX512-BF16 dot products where the family has
 // them, everything else widens to fp32 (bf16 by a 16-bit shift) and uses FMA. The result is rounded once.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -123,14 +123,14 @@ int64_t small_batch_linear_max_rows() { return kMaxRows; }
 
 // fp32 x with fp32, bf16 or fp16 weights (a 16-bit checkpoint computed in fp32 keeps its weights 16-bit), or
 // bf16 x with bf16 weights.
-bool small_batch_linear_reads(torch::ScalarType x, torch::ScalarType weight) {
-  if (x == torch::kFloat) return weight == torch::kFloat || weight == torch::kBFloat16 || weight == torch::kHalf;
-  return x == torch::kBFloat16 && weight == torch::kBFloat16;
+bool small_batch_linear_reads(at::ScalarType x, at::ScalarType weight) {
+  if (x == at::kFloat) return weight == at::kFloat || weight == at::kBFloat16 || weight == at::kHalf;
+  return x == at::kBFloat16 && weight == at::kBFloat16;
 }
 
 // x [M, K] (M <= kMaxRows), weight [N, K] row-major, bias [N] or empty; dtypes as small_batch_linear_reads says.
 // Returns [M, N] in x's dtype.
-torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor bias) {
+at::Tensor small_batch_linear(at::Tensor x, at::Tensor weight, at::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K] and weight [N, K]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_batch_linear takes 1 to ", kMaxRows, " rows");
   TORCH_CHECK(small_batch_linear_reads(x.scalar_type(), weight.scalar_type()),
@@ -140,14 +140,14 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::T
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias must have one value per output");
   x = x.contiguous();
-  const torch::Tensor bias32 = bias.numel() ? bias.to(torch::kFloat).contiguous() : bias;
+  const at::Tensor bias32 = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
   const float* b = bias.numel() ? bias32.data_ptr<float>() : nullptr;
-  auto out = torch::empty({M, N}, x.options());
-  if (x.scalar_type() == torch::kFloat) {
+  auto out = at::empty({M, N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
     const float* xf = x.data_ptr<float>();
     float* yf = out.data_ptr<float>();
-    if (weight.scalar_type() == torch::kFloat) run_widened(xf, M, weight.data_ptr<float>(), b, K, N, yf);
-    else if (weight.scalar_type() == torch::kBFloat16) run_widened(xf, M, weight.data_ptr<at::BFloat16>(), b, K, N, yf);
+    if (weight.scalar_type() == at::kFloat) run_widened(xf, M, weight.data_ptr<float>(), b, K, N, yf);
+    else if (weight.scalar_type() == at::kBFloat16) run_widened(xf, M, weight.data_ptr<at::BFloat16>(), b, K, N, yf);
     else run_widened(xf, M, weight.data_ptr<at::Half>(), b, K, N, yf);
     return out;
   }
@@ -159,7 +159,7 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, torch::T
     rows_bf16<decltype(size)::value>(xb + m0 * K, w, b, K, N, n0, n1, y + m0 * N);
   });
 #else
-  const torch::Tensor x32 = x.to(torch::kFloat);  // M x K: widened once, read once per weight row
+  const at::Tensor x32 = x.to(at::kFloat);  // M x K: widened once, read once per weight row
   run_widened(x32.data_ptr<float>(), M, w, b, K, N, y);
 #endif
   return out;

@@ -16,7 +16,7 @@
 #include "simd.h"
 
 #if defined(KVSERVE_AMX)
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
