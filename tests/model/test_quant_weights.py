@@ -45,10 +45,11 @@ def activation_rounding(x: torch.Tensor, reference: torch.Tensor, group: int) ->
 
 
 def rounds_x(weight: QuantWeight, rows: int, dtype: torch.dtype) -> bool:
-    """Whether the kernels round x to int8: up to 8 rows (the walk), and more rows of fp32 x over K-quants on
-    CPUs without bf16 dot products (int8 panels)."""
-    k_quants = all(part.ggml_type in K_QUANTS for part in weight.parts)
-    return rows <= WALK_ROWS or (k_quants and dtype == torch.float32 and weight.kernels.quant_linear_int8_batches())
+    """Whether the kernels round x to int8: up to 8 rows (the walk), and more rows where the family multiplies
+    this block type on int8 panels (bf16 x where AMX does not take it; fp32 x without bf16 dot products)."""
+    bf16 = dtype == torch.bfloat16
+    return rows <= WALK_ROWS or all(weight.kernels.quant_linear_int8_batches(part.ggml_type, bf16)
+                                    for part in weight.parts)
 
 
 def check_linear(weight: QuantWeight, reference: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
@@ -184,7 +185,7 @@ def test_models_hold_their_files_blocks(tmp_path, monkeypatch, arch, tied, tenso
         if len(tokens) <= WALK_ROWS:  # int8 activations, as llama.cpp's decode
             relative = (ours - theirs).abs().max().item() / theirs.abs().max().item()
             assert relative <= ACTIVATION_ROUNDING_TOLERANCE
-        elif tensor_type in K_QUANTS and dtype == "float32" and model.fused_kernels.quant_linear_int8_batches():
+        elif model.fused_kernels.quant_linear_int8_batches(int(tensor_type), dtype == "bfloat16"):
             # int8 activations at prefill too: at most positions as close as decode's (at a few, these random
             # blocks' outlying activations move the logits further).
             relative = (ours - theirs).abs().amax(-1) / theirs.abs().amax(-1)

@@ -60,7 +60,7 @@ void quant_linear_out(torch::Tensor x, torch::Tensor blocks, int64_t type, torch
 void quant_rows_out(torch::Tensor blocks, int64_t type, torch::Tensor ids, torch::Tensor out);
 bool quant_linear_reads(int64_t type);
 bool quant_linear_uses_amx();
-bool quant_linear_int8_batches();
+bool quant_linear_int8_batches(int64_t type, bool bf16_x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
@@ -94,5 +94,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_reads", &quant_linear_reads, "whether quant_linear reads this ggml type");
   m.def("quant_linear_uses_amx", &quant_linear_uses_amx, "whether batched decode over blocks runs on AMX tiles");
   m.def("quant_linear_int8_batches", &quant_linear_int8_batches,
-        "whether more than 8 rows of fp32 x over K-quant blocks are quantized to int8");
+        "whether more than 8 rows of x (bf16 or fp32) over blocks of this ggml type are quantized to int8");
 }

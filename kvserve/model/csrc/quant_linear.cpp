@@ -818,9 +818,10 @@ void gemm_slices(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
 }
 
 // ---------------------------------------------------------------------------------------------- int8 panels
-#if defined(__AVX2__) && !defined(__AVX512BF16__)
-// Prefill-sized batches of K-quant weights on CPUs without bf16 dot products (the AVX2 and AVX-512 families),
-// where the slices' fp32 matmul is bound by the FMA units: x is quantized to int8 with one scale dx per 32 values
+#if defined(__AVX2__)
+// More than 8 rows (a batched decode step, prefill) over weights in blocks, wherever AMX does not take them: the
+// slices' matmul is bound by the FMA units (fp32, or bf16 dot products at half the integer rate) and pays for
+// writing the decoded weights out. For the K-quants: x is quantized to int8 with one scale dx per 32 values
 // (the walk's rounding; per 256, as llama.cpp rounds for K-quants, cost perplexity where activations have
 // outliers: RESULTS.md, section 27), and the products are taken by vpmaddubsw (32 multiply-adds a cycle where
 // fp32 FMAs take 16). Weight rows are decoded once per call, 8 at a time, into panels whose lanes are weight
@@ -851,15 +852,80 @@ inline int64_t half_l2_bytes() {
   return bytes;
 }
 
+// The 32-value block types take panels of their own, one block of 32 values at a time: each row's value is
+// d * u + c (u unsigned: Q8_0's codes shifted by 128, c = -128 d), so per block
+//   out[m, n] += d * dx * sum(u * qx) + c * dx * sum(qx),
+// the first sum exact in int32 (vpdpbusd where there is VNNI). Q8_0 needs VNNI: vpmaddubsw's int16 pairs of
+// 255 * 127 would saturate.
+struct alignas(32) Int8Block32 {  // one block of 32 values of a panel's 8 rows
+  uint8_t codes[8][kInt8PanelRows][4];  // [quad of values][row][4 codes]
+  float d[kInt8PanelRows];
+  float c[kInt8PanelRows];
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kHasVnni = true;
+#else
+constexpr bool kHasVnni = false;
+#endif
+
 template <int64_t Type>
-constexpr bool kInt8Panels = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
+constexpr bool kInt8Panels = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K || Type == kQ4_0 || Type == kQ4_1 ||
+                             Type == kQ5_0 || Type == kQ5_1 || (Type == kQ8_0 && kHasVnni);
+template <int64_t Type>
+using PanelBlock = std::conditional_t<kSuperBlocks<Type>, Int8Block, Int8Block32>;
+template <int64_t Type>
+constexpr int64_t kPanelBlockValues = kSuperBlocks<Type> ? 256 : 32;
 // Quads of products summed in int16 before meeting the scale: each vpmaddubsw lane is at most 2 * 127 * the
 // largest code (15, 31, 63), so eight sums fit in int16 for Q4_K (whose scale covers 32 values), four for Q5_K
 // and two for Q6_K.
 template <int64_t Type>
 constexpr int kQuadsInt16 = Type == kQ4_K ? 8 : Type == kQ5_K ? 4 : 2;
 
-// Weight rows [n0, n0 + 8) as a panel: panel[b] their super-block b (rows past N: zeros).
+// Weight rows [n0, n0 + 8) as a panel: panel[b] their block b (rows past N: zeros).
+// 8 vectors of 8 int32 lanes transposed in registers: v[i] lane r <- v[r] lane i.
+inline void transpose_8x8_epi32(__m256i v[8]) {
+  __m256i t[8], q[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    q[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    q[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    q[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    q[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(q[i], q[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2x128_si256(q[i], q[i + 4], 0x31);
+  }
+}
+
+// Each row's 32 codes of a block are its 8 quads: the panel's quad i is lane i of every row, so 8 rows' codes
+// transpose as 8 x 8 int32.
+template <int64_t Type>
+void decode_int8_panel(const Problem& p, int64_t n0, Int8Block32* panel) {
+  const int64_t rows = std::min(kInt8PanelRows, p.N - n0);
+  for (int64_t b = 0; b < p.K / 32; ++b) {
+    Int8Block32& out = panel[b];
+    __m256i u[8];
+    for (int64_t r = 0; r < kInt8PanelRows; ++r) {
+      if (r >= rows) {
+        u[r] = _mm256_setzero_si256(), out.d[r] = out.c[r] = 0.f;
+        continue;
+      }
+      const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayoutOf<Type>.bytes;
+      groups_of<Type>(block, [&](int, __m256i codes, float d, float, float c, float) __attribute__((always_inline)) {
+        if constexpr (kSigned<Type>) codes = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80))), c = -128.f * d;
+        u[r] = codes, out.d[r] = d, out.c[r] = c;
+      });
+    }
+    transpose_8x8_epi32(u);
+    for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(out.codes[i]), u[i]);
+  }
+}
+
 template <int64_t Type>
 void decode_int8_panel(const Problem& p, int64_t n0, Int8Block* panel) {
   if (n0 + kInt8PanelRows > p.N) std::memset(static_cast<void*>(panel), 0, p.K / 256 * sizeof(Int8Block));
@@ -893,6 +959,47 @@ inline __m256i broadcast_quad(const void* p) {
   int32_t quad;
   std::memcpy(&quad, p, 4);
   return _mm256_set1_epi32(quad);
+}
+
+// Four of x's bytes times a quad of each of 8 rows, added to 8 int32 lanes.
+inline __m256i add_quad_products(__m256i sum, __m256i u, __m256i x4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(sum, u, x4);
+#else
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x4), _mm256_set1_epi16(1)));
+#endif
+}
+
+// out[m0 + i, n0 + l] for i < MR, l < 8 over a panel of 32-value blocks: per block its 8 quads stay in registers
+// while each row of x takes them.
+template <int64_t Type, int MR, typename out_t>
+__attribute__((noinline)) void int8_panel_rows(const Problem& p, const QuantizedX& qx, int64_t m0,
+                                              const Int8Block32* panel, int64_t n0, out_t* out) {
+  const int64_t groups = p.K / 32;
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < groups; ++b) {
+    const Int8Block32& w = panel[b];
+    // Quad-major, so each row of x has its own chain of sums (one chain would wait on vpdpbusd's latency).
+    __m256i sum[MR];
+    for (int m = 0; m < MR; ++m) sum[m] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const __m256i u = load_block(w.codes[i]);
+      for (int m = 0; m < MR; ++m)
+        sum[m] = add_quad_products(sum[m], u, broadcast_quad(qx.q.data() + ((m0 + m) * groups + b) * 32 + 4 * i));
+    }
+    const __m256 d = _mm256_load_ps(w.d), c = _mm256_load_ps(w.c);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = (m0 + m) * groups + b;
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(d, _mm256_set1_ps(qx.d[at])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(qx.sums_d[at]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float lanes[kInt8PanelRows];
+    _mm256_store_ps(lanes, acc[m]);
+    for (int l = 0; l < kInt8PanelRows && n0 + l < p.N; ++l) store(out, p, m0 + m, n0 + l, lanes[l]);
+  }
 }
 
 // out[m0 + i, n0 + l] for i < MR, l < 8: MR rows of x times a panel. Per 32 values the panel's 8 quads stay in
@@ -941,21 +1048,39 @@ __attribute__((noinline)) void int8_panel_rows(const Problem& p, const Quantized
     for (int l = 0; l < kInt8PanelRows && n0 + l < p.N; ++l) store(out, p, m0 + m, n0 + l, acc[m][l]);
 }
 
+// bf16 x takes panels unless AMX takes it (run_type); fp32 x takes them on families without bf16 dot products
+// (where fp32 is the compute dtype), and keeps the slices' fp32 arithmetic where fp32 was asked for instead of bf16.
+inline bool panels_take(const at::Tensor& x) {
+  if (x.scalar_type() != at::kBFloat16) {
+#if defined(__AVX512BF16__)
+    return false;
+#else
+    return true;
+#endif
+  }
+#if defined(KVSERVE_AMX)
+  return !amx::ready();
+#else
+  return true;
+#endif
+}
+
 template <int64_t Type>
 bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
-  return kInt8Panels<Type> && p.M > kMaxWalkRows && x.scalar_type() == at::kFloat;
+  return kInt8Panels<Type> && p.M > kMaxWalkRows && panels_take(x);
 }
 
 template <int64_t Type, typename out_t>
 void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
-  const int64_t blocks = p.K / 256, num_panels = (p.N + kInt8PanelRows - 1) / kInt8PanelRows;
-  const int64_t panel_bytes = blocks * static_cast<int64_t>(sizeof(Int8Block));
+  using Block = PanelBlock<Type>;
+  const int64_t blocks = p.K / kPanelBlockValues<Type>, num_panels = (p.N + kInt8PanelRows - 1) / kInt8PanelRows;
+  const int64_t panel_bytes = blocks * static_cast<int64_t>(sizeof(Block));
   // Groups of at most half of L2, as many as a multiple of the threads, so each takes the same share.
   const int64_t threads = at::get_num_threads(), most = std::max<int64_t>(1, half_l2_bytes() / panel_bytes);
   const int64_t groups = ((num_panels + most - 1) / most + threads - 1) / threads * threads;
   const int64_t per_group = (num_panels + groups - 1) / groups;
   at::parallel_for(0, (num_panels + per_group - 1) / per_group, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<Int8Block> panels(per_group * blocks);
+    std::vector<Block> panels(per_group * blocks);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t first = g * per_group, count = std::min(per_group, num_panels - first);
       for (int64_t i = 0; i < count; ++i)
@@ -972,9 +1097,13 @@ void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
 
 template <int64_t Type>
 void int8_panel_gemm(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
-  const QuantizedX qx = quantize_x(x.data_ptr<float>(), p.M, p.K, 32, true);
-  if (out.scalar_type() == at::kBFloat16) int8_panel_gemm<Type>(qx, p, out.data_ptr<at::BFloat16>());
-  else int8_panel_gemm<Type>(qx, p, out.data_ptr<float>());
+  auto go = [&](const auto* xp) {
+    const QuantizedX qx = quantize_x(xp, p.M, p.K, 32, true);
+    if (out.scalar_type() == at::kBFloat16) int8_panel_gemm<Type>(qx, p, out.data_ptr<at::BFloat16>());
+    else int8_panel_gemm<Type>(qx, p, out.data_ptr<float>());
+  };
+  if (x.scalar_type() == at::kBFloat16) go(x.data_ptr<at::BFloat16>());
+  else go(x.data_ptr<float>());
 }
 #else
 template <int64_t Type>
@@ -1328,13 +1457,18 @@ int64_t row_values(const at::Tensor& blocks, int64_t type) {
 
 bool quant_linear_reads(int64_t type) { return known_type(type); }
 
-// Whether more than 8 rows of fp32 x over K-quant blocks are quantized to int8 here (int8 panels).
-bool quant_linear_int8_batches() {
-#if defined(__AVX2__) && !defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
+// Whether more than 8 rows of x (bf16 or fp32) over blocks of `type` are quantized to int8 here (int8 panels).
+bool quant_linear_int8_batches(int64_t type, bool bf16_x) {
+  TORCH_CHECK(known_type(type), "quant_linear does not read ggml type ", type);
+  bool panels = false;
+  with_type(type, [&](auto t) {
+    constexpr int64_t Type = decltype(t)::value;
+    if constexpr (!kDense<Type>) {
+      const Problem p{nullptr, 0, 0, 0, nullptr, kMaxWalkRows + 1, 0, 0};
+      panels = uses_int8_panels<Type>(at::empty({0}, bf16_x ? at::kBFloat16 : at::kFloat), p);
+    }
+  });
+  return panels;
 }
 
 // Whether batched decode (9 to 48 rows of bf16 x) runs on AMX tiles here.
