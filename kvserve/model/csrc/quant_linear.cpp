@@ -1065,9 +1065,11 @@ inline bool panels_take(const at::Tensor& x) {
 #endif
 }
 
+// K-quants' panels stay with fp32 x: over bf16 x they measured slower than the bf16 slices (RESULTS.md, 28).
 template <int64_t Type>
 bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
-  return kInt8Panels<Type> && p.M > kMaxWalkRows && panels_take(x);
+  return kInt8Panels<Type> && p.M > kMaxWalkRows && panels_take(x) &&
+         !(kSuperBlocks<Type> && x.scalar_type() == at::kBFloat16);
 }
 
 template <int64_t Type, typename out_t>
