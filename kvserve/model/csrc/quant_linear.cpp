@@ -1048,28 +1048,26 @@ __attribute__((noinline)) void int8_panel_rows(const Problem& p, const Quantized
     for (int l = 0; l < kInt8PanelRows && n0 + l < p.N; ++l) store(out, p, m0 + m, n0 + l, acc[m][l]);
 }
 
-// bf16 x takes panels unless AMX takes it (run_type); fp32 x takes them on families without bf16 dot products
-// (where fp32 is the compute dtype), and keeps the slices' fp32 arithmetic where fp32 was asked for instead of bf16.
-inline bool panels_take(const at::Tensor& x) {
-  if (x.scalar_type() != at::kBFloat16) {
+// Which batches take panels, as measured: K-quants with fp32 x on families without bf16 dot products (fp32 is
+// their compute dtype; over bf16 x the panels ran slower than the bf16 slices), the 32-value types with bf16 x
+// where AMX does not take it (with fp32 x their rounding moved a real model's logits past its K-quants'). fp32
+// asked for on a family with bf16 dot products keeps the slices' fp32 arithmetic. RESULTS.md, section 28.
+template <int64_t Type>
+bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
+  if (!kInt8Panels<Type> || p.M <= kMaxWalkRows) return false;
+  if constexpr (kSuperBlocks<Type>) {
 #if defined(__AVX512BF16__)
     return false;
 #else
-    return true;
+    return x.scalar_type() == at::kFloat;
+#endif
+  } else {
+#if defined(KVSERVE_AMX)
+    return x.scalar_type() == at::kBFloat16 && !amx::ready();
+#else
+    return x.scalar_type() == at::kBFloat16;
 #endif
   }
-#if defined(KVSERVE_AMX)
-  return !amx::ready();
-#else
-  return true;
-#endif
-}
-
-// K-quants' panels stay with fp32 x: over bf16 x they measured slower than the bf16 slices (RESULTS.md, 28).
-template <int64_t Type>
-bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
-  return kInt8Panels<Type> && p.M > kMaxWalkRows && panels_take(x) &&
-         !(kSuperBlocks<Type> && x.scalar_type() == at::kBFloat16);
 }
 
 template <int64_t Type, typename out_t>
