@@ -88,6 +88,23 @@ def test_linear_matches_the_encoded_weights(isa, tensor_type, dtype):
 
 
 @FAMILIES
+def test_int8_panels_take_the_batches_they_were_measured_faster_on(isa):
+    """Past 8 rows: K-quants on int8 panels with fp32 x where there are no bf16 dot products, the 32-value types
+    with bf16 x where there are but AMX is absent (Q8_0 only with VNNI); elsewhere slices or AMX tiles."""
+    ints = kernels_for(isa).quant_linear_int8_batches
+    simd, amx = isa.name != "generic", isa.native_bf16 and has_amx_bf16()
+    vnni = "-mavx512vnni" in isa.compile_flags
+    for k_quant in K_QUANTS:
+        assert ints(int(k_quant), False) == (simd and not isa.native_bf16)
+        assert not ints(int(k_quant), True)
+    for block32 in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        assert ints(int(block32), True) == (simd and not amx)
+        assert not ints(int(block32), False)
+    assert ints(int(Q.Q8_0), True) == (simd and not amx and vnni)
+    assert not any(ints(dense, bf16) for dense in DENSE_TYPES.values() for bf16 in (False, True))
+
+
+@FAMILIES
 def test_batched_decode_runs_on_amx_tiles_where_the_cpu_has_them(isa):
     """9-48 rows of bf16 x run on AMX tiles exactly where the family is AVX512-BF16 and the CPU has AMX (the
     slices elsewhere), so the matmul tests above check that path there."""

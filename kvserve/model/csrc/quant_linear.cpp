@@ -9,9 +9,10 @@
 //   time, and multiplied by torch's matmul: the same arithmetic as a dequantized weight's matmul, without ever
 //   holding the whole weight dequantized. On CPUs with AMX, bf16 x takes AMX's tile products instead: 9 to 48
 //   rows (a batched decode step) multiply 16 weight rows at a time, decoded into a tile in L1; more rows
-//   (prefill) multiply panels of 32 weight rows decoded once per call into L2. On CPUs without bf16 dot
-//   products (fp32 x), K-quant weights take int8 panels instead: x rounded to int8 per 32 values and multiplied
-//   by integer dot products over panels of 8 weight rows decoded once per call (see "int8 panels").
+//   (prefill) multiply panels of 32 weight rows decoded once per call into L2. Elsewhere int8 panels take
+//   some of these batches (see "int8 panels"): x rounded to int8 per 32 values and multiplied by integer dot
+//   products over panels of 8 weight rows decoded once per call: K-quants with fp32 x on CPUs without bf16
+//   dot products, the 32-value types with bf16 x on CPUs with them but without AMX.
 //
 // A 16-bit or fp32 weight (ggml's F16, BF16, F32: a checkpoint's plain rows) is held once and read here too: up
 // to 8 rows by small_batch_linear's walk, 9 to 48 rows of bf16 x on AMX tiles as above, more rows by torch's
@@ -882,7 +883,6 @@ constexpr int64_t kPanelBlockValues = kSuperBlocks<Type> ? 256 : 32;
 template <int64_t Type>
 constexpr int kQuadsInt16 = Type == kQ4_K ? 8 : Type == kQ5_K ? 4 : 2;
 
-// Weight rows [n0, n0 + 8) as a panel: panel[b] their block b (rows past N: zeros).
 // 8 vectors of 8 int32 lanes transposed in registers: v[i] lane r <- v[r] lane i.
 inline void transpose_8x8_epi32(__m256i v[8]) {
   __m256i t[8], q[8];
@@ -902,8 +902,8 @@ inline void transpose_8x8_epi32(__m256i v[8]) {
   }
 }
 
-// Each row's 32 codes of a block are its 8 quads: the panel's quad i is lane i of every row, so 8 rows' codes
-// transpose as 8 x 8 int32.
+// Weight rows [n0, n0 + 8) as a panel: panel[b] their block b (rows past N: zeros). Each row's 32 codes of a
+// block are its 8 quads: the panel's quad i is lane i of every row, so 8 rows' codes transpose as 8 x 8 int32.
 template <int64_t Type>
 void decode_int8_panel(const Problem& p, int64_t n0, Int8Block32* panel) {
   const int64_t rows = std::min(kInt8PanelRows, p.N - n0);
