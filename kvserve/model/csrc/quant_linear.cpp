@@ -11,7 +11,7 @@
 //   rows (a batched decode step) multiply 16 weight rows at a time, decoded into a tile in L1; more rows
 //   (prefill) multiply panels of 32 weight rows decoded once per call into L2. Elsewhere int8 panels take
 //   some of these batches (see "int8 panels"): x rounded to int8 per 32 values and multiplied by integer dot
-//   products over panels of 8 weight rows decoded once per call: K-quants with fp32 x on CPUs without bf16
+//   products over panels of 8 or 16 weight rows decoded once per call: K-quants with fp32 x on CPUs without bf16
 //   dot products, the 32-value types with bf16 x on CPUs with them but without AMX.
 //
 // A 16-bit or fp32 weight (ggml's F16, BF16, F32: a checkpoint's plain rows) is held once and read here too: up
@@ -660,6 +660,16 @@ inline __mmask16 mask16(int64_t count) {
   return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
 }
 
+// out[m, n + j] = v[j] (+ bias) for j < count (at most 16), rounded as store() rounds.
+template <typename out_t>
+inline void store16(out_t* out, const Problem& p, int64_t m, int64_t n, __m512 v, int64_t count) {
+  const __mmask16 mask = mask16(count);
+  if (p.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.bias + n));
+  out_t* dst = out + m * p.out_stride + p.out_col + n;
+  if constexpr (std::is_same_v<out_t, float>) _mm512_mask_storeu_ps(dst, mask, v);
+  else _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 // Lane i holds i * stride (gather offsets of 16 rows `stride` apart).
 inline __m512i lane_offsets(int64_t stride) {
   return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -853,15 +863,93 @@ inline int64_t half_l2_bytes() {
   return bytes;
 }
 
+// The registers of the 32-value types' panels: 16 weight rows with AVX-512 (so each broadcast of x's bytes and
+// each step of the fold serve twice the rows they serve in an AVX2 register), 8 with AVX2.
+#if defined(__AVX512F__)
+struct PanelLanes {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int64_t kRows = 16;
+  static I load(const void* p) { return _mm512_load_si512(p); }
+  static I quad(int32_t q) { return _mm512_set1_epi32(q); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static F load_ps(const float* p) { return _mm512_load_ps(p); }
+  static F set1_ps(float v) { return _mm512_set1_ps(v); }
+  static F zero_ps() { return _mm512_setzero_ps(); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static I add_quad_products(I sum, I u, I x4) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(sum, u, x4);
+#else
+    return _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x4), _mm512_set1_epi16(1)));
+#endif
+  }
+};
+#else
+struct PanelLanes {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int64_t kRows = 8;
+  static I load(const void* p) { return _mm256_load_si256(static_cast<const __m256i*>(p)); }
+  static I quad(int32_t q) { return _mm256_set1_epi32(q); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static F load_ps(const float* p) { return _mm256_load_ps(p); }
+  static F set1_ps(float v) { return _mm256_set1_ps(v); }
+  static F zero_ps() { return _mm256_setzero_ps(); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static I add_quad_products(I sum, I u, I x4) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x4), _mm256_set1_epi16(1)));
+  }
+};
+#endif
+
+// out[m, n + j] = v[j] (+ bias) for a panel's lanes j < count, rounded as store() rounds: a vector store per row
+// of x (stored a value at a time, the results cost the panels more than their fold).
+template <typename out_t>
+inline void store_lanes(out_t* out, const Problem& p, int64_t m, int64_t n, __m256 v, int64_t count) {
+  if (count < 8) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    for (int64_t l = 0; l < count; ++l) store(out, p, m, n + l, lanes[l]);
+    return;
+  }
+  if (p.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(p.bias + n));
+  out_t* dst = out + m * p.out_stride + p.out_col + n;
+  if constexpr (std::is_same_v<out_t, float>) {
+    _mm256_storeu_ps(dst, v);
+  } else {
+    const __m256i bits = to_bf16_bits(v);
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(words));
+  }
+}
+
+#if defined(__AVX512F__)
+template <typename out_t>
+inline void store_lanes(out_t* out, const Problem& p, int64_t m, int64_t n, __m512 v, int64_t count) {
+#if defined(__AVX512BF16__)
+  store16(out, p, m, n, v, count);
+#else
+  store_lanes(out, p, m, n, _mm512_castps512_ps256(v), std::min<int64_t>(count, 8));
+  if (count > 8)
+    store_lanes(out, p, m, n + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), count - 8);
+#endif
+}
+#endif
+
 // The 32-value block types take panels of their own, one block of 32 values at a time: each row's value is
 // d * u + c (u unsigned: Q8_0's codes shifted by 128, c = -128 d), so per block
 //   out[m, n] += d * dx * sum(u * qx) + c * dx * sum(qx),
 // the first sum exact in int32 (vpdpbusd where there is VNNI). Q8_0 needs VNNI: vpmaddubsw's int16 pairs of
-// 255 * 127 would saturate.
-struct alignas(32) Int8Block32 {  // one block of 32 values of a panel's 8 rows
-  uint8_t codes[8][kInt8PanelRows][4];  // [quad of values][row][4 codes]
-  float d[kInt8PanelRows];
-  float c[kInt8PanelRows];
+// 255 * 127 would saturate. Their panels are as wide as a register's int32 lanes (PanelLanes).
+struct alignas(64) Int8Block32 {  // one block of 32 values of a panel's rows
+  uint8_t codes[8][PanelLanes::kRows][4];  // [quad of values][row][4 codes]
+  float d[PanelLanes::kRows];
+  float c[PanelLanes::kRows];
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -877,6 +965,8 @@ template <int64_t Type>
 using PanelBlock = std::conditional_t<kSuperBlocks<Type>, Int8Block, Int8Block32>;
 template <int64_t Type>
 constexpr int64_t kPanelBlockValues = kSuperBlocks<Type> ? 256 : 32;
+template <int64_t Type>
+constexpr int64_t kInt8PanelRowsOf = kSuperBlocks<Type> ? kInt8PanelRows : PanelLanes::kRows;
 // Quads of products summed in int16 before meeting the scale: each vpmaddubsw lane is at most 2 * 127 * the
 // largest code (15, 31, 63), so eight sums fit in int16 for Q4_K (whose scale covers 32 values), four for Q5_K
 // and two for Q6_K.
@@ -902,27 +992,29 @@ inline void transpose_8x8_epi32(__m256i v[8]) {
   }
 }
 
-// Weight rows [n0, n0 + 8) as a panel: panel[b] their block b (rows past N: zeros). Each row's 32 codes of a
-// block are its 8 quads: the panel's quad i is lane i of every row, so 8 rows' codes transpose as 8 x 8 int32.
+// Weight rows [n0, n0 + kRows) as a panel: panel[b] their block b (rows past N: zeros). Each row's 32 codes of a
+// block are its 8 quads: the panel's quad i is lane i of every row, so each 8 rows' codes transpose as 8 x 8 int32.
 template <int64_t Type>
 void decode_int8_panel(const Problem& p, int64_t n0, Int8Block32* panel) {
-  const int64_t rows = std::min(kInt8PanelRows, p.N - n0);
+  const int64_t rows = std::min(PanelLanes::kRows, p.N - n0);
   for (int64_t b = 0; b < p.K / 32; ++b) {
     Int8Block32& out = panel[b];
-    __m256i u[8];
-    for (int64_t r = 0; r < kInt8PanelRows; ++r) {
-      if (r >= rows) {
-        u[r] = _mm256_setzero_si256(), out.d[r] = out.c[r] = 0.f;
-        continue;
+    for (int64_t r0 = 0; r0 < PanelLanes::kRows; r0 += 8) {
+      __m256i u[8];
+      for (int64_t r = r0; r < r0 + 8; ++r) {
+        if (r >= rows) {
+          u[r - r0] = _mm256_setzero_si256(), out.d[r] = out.c[r] = 0.f;
+          continue;
+        }
+        const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayoutOf<Type>.bytes;
+        groups_of<Type>(block, [&](int, __m256i codes, float d, float, float c, float) __attribute__((always_inline)) {
+          if constexpr (kSigned<Type>) codes = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80))), c = -128.f * d;
+          u[r - r0] = codes, out.d[r] = d, out.c[r] = c;
+        });
       }
-      const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayoutOf<Type>.bytes;
-      groups_of<Type>(block, [&](int, __m256i codes, float d, float, float c, float) __attribute__((always_inline)) {
-        if constexpr (kSigned<Type>) codes = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80))), c = -128.f * d;
-        u[r] = codes, out.d[r] = d, out.c[r] = c;
-      });
+      transpose_8x8_epi32(u);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes[i][r0]), u[i]);
     }
-    transpose_8x8_epi32(u);
-    for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(out.codes[i]), u[i]);
   }
 }
 
@@ -961,45 +1053,37 @@ inline __m256i broadcast_quad(const void* p) {
   return _mm256_set1_epi32(quad);
 }
 
-// Four of x's bytes times a quad of each of 8 rows, added to 8 int32 lanes.
-inline __m256i add_quad_products(__m256i sum, __m256i u, __m256i x4) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(sum, u, x4);
-#else
-  return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x4), _mm256_set1_epi16(1)));
-#endif
-}
-
-// out[m0 + i, n0 + l] for i < MR, l < 8 over a panel of 32-value blocks: per block its 8 quads stay in registers
-// while each row of x takes them.
+// out[m0 + i, n0 + l] for i < MR, l < kRows over a panel of 32-value blocks: per block its 8 quads stay in
+// registers while each row of x takes them.
 template <int64_t Type, int MR, typename out_t>
 __attribute__((noinline)) void int8_panel_rows(const Problem& p, const QuantizedX& qx, int64_t m0,
                                               const Int8Block32* panel, int64_t n0, out_t* out) {
+  using V = PanelLanes;
   const int64_t groups = p.K / 32;
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* xq = qx.q.data() + m0 * p.K;
+  const float *xd = qx.d.data() + m0 * groups, *xs = qx.sums_d.data() + m0 * groups;
+  V::F acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = V::zero_ps();
   for (int64_t b = 0; b < groups; ++b) {
     const Int8Block32& w = panel[b];
     // Quad-major, so each row of x has its own chain of sums (one chain would wait on vpdpbusd's latency).
-    __m256i sum[MR];
-    for (int m = 0; m < MR; ++m) sum[m] = _mm256_setzero_si256();
+    V::I sum[MR];
+    for (int m = 0; m < MR; ++m) sum[m] = V::zero();
     for (int i = 0; i < 8; ++i) {
-      const __m256i u = load_block(w.codes[i]);
-      for (int m = 0; m < MR; ++m)
-        sum[m] = add_quad_products(sum[m], u, broadcast_quad(qx.q.data() + ((m0 + m) * groups + b) * 32 + 4 * i));
+      const V::I u = V::load(w.codes[i]);
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, xq + m * p.K + 32 * b + 4 * i, 4);
+        sum[m] = V::add_quad_products(sum[m], u, V::quad(quad));
+      }
     }
-    const __m256 d = _mm256_load_ps(w.d), c = _mm256_load_ps(w.c);
+    const V::F d = V::load_ps(w.d), c = V::load_ps(w.c);
     for (int m = 0; m < MR; ++m) {
-      const int64_t at = (m0 + m) * groups + b;
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(d, _mm256_set1_ps(qx.d[at])), acc[m]);
-      acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(qx.sums_d[at]), acc[m]);
+      acc[m] = V::fmadd(V::to_float(sum[m]), V::mul(d, V::set1_ps(xd[m * groups + b])), acc[m]);
+      acc[m] = V::fmadd(c, V::set1_ps(xs[m * groups + b]), acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float lanes[kInt8PanelRows];
-    _mm256_store_ps(lanes, acc[m]);
-    for (int l = 0; l < kInt8PanelRows && n0 + l < p.N; ++l) store(out, p, m0 + m, n0 + l, lanes[l]);
-  }
+  for (int m = 0; m < MR; ++m) store_lanes(out, p, m0 + m, n0, acc[m], std::min(V::kRows, p.N - n0));
 }
 
 // out[m0 + i, n0 + l] for i < MR, l < 8: MR rows of x times a panel. Per 32 values the panel's 8 quads stay in
@@ -1045,7 +1129,7 @@ __attribute__((noinline)) void int8_panel_rows(const Problem& p, const Quantized
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int l = 0; l < kInt8PanelRows && n0 + l < p.N; ++l) store(out, p, m0 + m, n0 + l, acc[m][l]);
+    store_lanes(out, p, m0 + m, n0, _mm256_load_ps(acc[m]), std::min(kInt8PanelRows, p.N - n0));
 }
 
 // Which batches take panels, as measured: K-quants with fp32 x on families without bf16 dot products (fp32 is
@@ -1073,7 +1157,8 @@ bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
 template <int64_t Type, typename out_t>
 void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
   using Block = PanelBlock<Type>;
-  const int64_t blocks = p.K / kPanelBlockValues<Type>, num_panels = (p.N + kInt8PanelRows - 1) / kInt8PanelRows;
+  constexpr int64_t kRows = kInt8PanelRowsOf<Type>;
+  const int64_t blocks = p.K / kPanelBlockValues<Type>, num_panels = (p.N + kRows - 1) / kRows;
   const int64_t panel_bytes = blocks * static_cast<int64_t>(sizeof(Block));
   // Groups of at most half of L2, as many as a multiple of the threads, so each takes the same share.
   const int64_t threads = at::get_num_threads(), most = std::max<int64_t>(1, half_l2_bytes() / panel_bytes);
@@ -1084,12 +1169,12 @@ void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t first = g * per_group, count = std::min(per_group, num_panels - first);
       for (int64_t i = 0; i < count; ++i)
-        decode_int8_panel<Type>(p, (first + i) * kInt8PanelRows, panels.data() + i * blocks);
+        decode_int8_panel<Type>(p, (first + i) * kRows, panels.data() + i * blocks);
       for (int64_t m0 = 0; m0 < p.M; m0 += kInt8TileRows)
         with_rows(std::min<int64_t>(kInt8TileRows, p.M - m0), [&](auto rows) {
           for (int64_t i = 0; i < count; ++i)
             int8_panel_rows<Type, decltype(rows)::value>(p, qx, m0, panels.data() + i * blocks,
-                                                         (first + i) * kInt8PanelRows, out);
+                                                         (first + i) * kRows, out);
         });
     }
   });
@@ -1152,16 +1237,6 @@ template <int64_t Type>
 __attribute__((always_inline)) inline void decode_step(const uint8_t* block, at::BFloat16* y) {
   if constexpr (kDense<Type>) convert_values(reinterpret_cast<const DenseValue<Type>*>(block), kAmxTileValues, y);
   else decode_block<Type>(block, y);
-}
-
-// out[m, n + j] = v[j] (+ bias) for j < count (at most 16), rounded as store() rounds.
-template <typename out_t>
-inline void store16(out_t* out, const Problem& p, int64_t m, int64_t n, __m512 v, int64_t count) {
-  const __mmask16 mask = mask16(count);
-  if (p.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.bias + n));
-  out_t* dst = out + m * p.out_stride + p.out_col + n;
-  if constexpr (std::is_same_v<out_t, float>) _mm512_mask_storeu_ps(dst, mask, v);
-  else _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // Slice `step` of `steps` of [region, region + bytes): every cache line starting in it asked for.
