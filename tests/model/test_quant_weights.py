@@ -90,13 +90,14 @@ def test_linear_matches_the_encoded_weights(isa, tensor_type, dtype):
 @FAMILIES
 def test_int8_panels_take_the_batches_they_were_measured_faster_on(isa):
     """Past 8 rows: K-quants on int8 panels with fp32 x where there are no bf16 dot products, the 32-value types
-    with bf16 x where there are but AMX is absent (Q8_0 only with VNNI); elsewhere slices or AMX tiles."""
+    with bf16 x where there are but AMX is absent (Q8_0 only with VNNI), and Q4_K and Q5_K with bf16 x where
+    there are bf16 dot products but no AMX; elsewhere slices or AMX tiles."""
     ints = kernels_for(isa).quant_linear_int8_batches
     simd, amx = isa.name != "generic", isa.native_bf16 and has_amx_bf16()
     vnni = "-mavx512vnni" in isa.compile_flags
     for k_quant in K_QUANTS:
         assert ints(int(k_quant), False) == (simd and not isa.native_bf16)
-        assert not ints(int(k_quant), True)
+        assert ints(int(k_quant), True) == (k_quant != Q.Q6_K and isa.native_bf16 and not amx)
     for block32 in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
         assert ints(int(block32), True) == (simd and not amx)
         assert not ints(int(block32), False)

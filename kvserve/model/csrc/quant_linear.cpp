@@ -961,12 +961,15 @@ constexpr bool kHasVnni = false;
 template <int64_t Type>
 constexpr bool kInt8Panels = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K || Type == kQ4_0 || Type == kQ4_1 ||
                              Type == kQ5_0 || Type == kQ5_1 || (Type == kQ8_0 && kHasVnni);
+// Q4_K and Q5_K also read as blocks of 32 values: sub-block j of a super-block is (d * scale_j) * u - dmin * min_j,
+// a 32-value block's d * u + c (d * scale_j exact in fp32). They take those panels over bf16 x (see
+// uses_int8_panels), the super-block panels over fp32 x.
 template <int64_t Type>
-using PanelBlock = std::conditional_t<kSuperBlocks<Type>, Int8Block, Int8Block32>;
-template <int64_t Type>
-constexpr int64_t kPanelBlockValues = kSuperBlocks<Type> ? 256 : 32;
-template <int64_t Type>
-constexpr int64_t kInt8PanelRowsOf = kSuperBlocks<Type> ? kInt8PanelRows : PanelLanes::kRows;
+constexpr bool kReadsAsBlocks32 = !kSuperBlocks<Type> || Type == kQ4_K || Type == kQ5_K;
+template <typename Block>
+constexpr int64_t kPanelBlockValues = std::is_same_v<Block, Int8Block32> ? 32 : 256;
+template <typename Block>
+constexpr int64_t kInt8PanelRowsOf = std::is_same_v<Block, Int8Block32> ? PanelLanes::kRows : kInt8PanelRows;
 // Quads of products summed in int16 before meeting the scale: each vpmaddubsw lane is at most 2 * 127 * the
 // largest code (15, 31, 63), so eight sums fit in int16 for Q4_K (whose scale covers 32 values), four for Q5_K
 // and two for Q6_K.
@@ -992,28 +995,32 @@ inline void transpose_8x8_epi32(__m256i v[8]) {
   }
 }
 
-// Weight rows [n0, n0 + kRows) as a panel: panel[b] their block b (rows past N: zeros). Each row's 32 codes of a
-// block are its 8 quads: the panel's quad i is lane i of every row, so each 8 rows' codes transpose as 8 x 8 int32.
+// Weight rows [n0, n0 + kRows) as a panel: panel[b] their values [32 b, 32 b + 32) (rows past N: zeros). Each
+// row's 32 codes are its 8 quads: the panel's quad i is lane i of every row, so each 8 rows' codes transpose as
+// 8 x 8 int32. A K-quant's super-block gives 8 blocks of 32.
 template <int64_t Type>
 void decode_int8_panel(const Problem& p, int64_t n0, Int8Block32* panel) {
+  constexpr int kGroups = kLayoutOf<Type>.values / 32;
   const int64_t rows = std::min(PanelLanes::kRows, p.N - n0);
-  for (int64_t b = 0; b < p.K / 32; ++b) {
-    Int8Block32& out = panel[b];
+  for (int64_t b = 0; b < p.K / kLayoutOf<Type>.values; ++b) {
+    Int8Block32* out = panel + kGroups * b;
     for (int64_t r0 = 0; r0 < PanelLanes::kRows; r0 += 8) {
-      __m256i u[8];
+      __m256i u[kGroups][8];
       for (int64_t r = r0; r < r0 + 8; ++r) {
         if (r >= rows) {
-          u[r - r0] = _mm256_setzero_si256(), out.d[r] = out.c[r] = 0.f;
+          for (int g = 0; g < kGroups; ++g) u[g][r - r0] = _mm256_setzero_si256(), out[g].d[r] = out[g].c[r] = 0.f;
           continue;
         }
         const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayoutOf<Type>.bytes;
-        groups_of<Type>(block, [&](int, __m256i codes, float d, float, float c, float) __attribute__((always_inline)) {
+        groups_of<Type>(block, [&](int g, __m256i codes, float d, float, float c, float) __attribute__((always_inline)) {
           if constexpr (kSigned<Type>) codes = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80))), c = -128.f * d;
-          u[r - r0] = codes, out.d[r] = d, out.c[r] = c;
+          u[g][r - r0] = codes, out[g].d[r] = d, out[g].c[r] = c;
         });
       }
-      transpose_8x8_epi32(u);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes[i][r0]), u[i]);
+      for (int g = 0; g < kGroups; ++g) {
+        transpose_8x8_epi32(u[g]);
+        for (int i = 0; i < 8; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[g].codes[i][r0]), u[g][i]);
+      }
     }
   }
 }
@@ -1133,32 +1140,34 @@ __attribute__((noinline)) void int8_panel_rows(const Problem& p, const Quantized
 }
 
 // Which batches take panels, as measured: K-quants with fp32 x on families without bf16 dot products (fp32 is
-// their compute dtype; over bf16 x the panels ran slower than the bf16 slices), the 32-value types with bf16 x
-// where AMX does not take it (with fp32 x their rounding moved a real model's logits past its K-quants'). fp32
-// asked for on a family with bf16 dot products keeps the slices' fp32 arithmetic. RESULTS.md, section 28.
+// their compute dtype), the 32-value types with bf16 x where AMX does not take it (with fp32 x their rounding
+// moved a real model's logits past its K-quants'), and Q4_K and Q5_K with bf16 x on the family with bf16 and
+// VNNI dot products where AMX does not take it, as blocks of 32 (Q6_K's scale per 16 values would fold twice as
+// often; over bf16 x the super-block panels ran slower than the bf16 slices). fp32 asked for on a family with
+// bf16 dot products keeps the slices' fp32 arithmetic. RESULTS.md, sections 28 and 29.
 template <int64_t Type>
 bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
   if (!kInt8Panels<Type> || p.M <= kMaxWalkRows) return false;
+#if defined(KVSERVE_AMX)
+  const bool bf16_x = x.scalar_type() == at::kBFloat16 && !amx::ready();
+#else
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+#endif
   if constexpr (kSuperBlocks<Type>) {
 #if defined(__AVX512BF16__)
-    return false;
+    return kReadsAsBlocks32<Type> && bf16_x;
 #else
     return x.scalar_type() == at::kFloat;
 #endif
   } else {
-#if defined(KVSERVE_AMX)
-    return x.scalar_type() == at::kBFloat16 && !amx::ready();
-#else
-    return x.scalar_type() == at::kBFloat16;
-#endif
+    return bf16_x;
   }
 }
 
-template <int64_t Type, typename out_t>
+template <int64_t Type, typename Block, typename out_t>
 void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
-  using Block = PanelBlock<Type>;
-  constexpr int64_t kRows = kInt8PanelRowsOf<Type>;
-  const int64_t blocks = p.K / kPanelBlockValues<Type>, num_panels = (p.N + kRows - 1) / kRows;
+  constexpr int64_t kRows = kInt8PanelRowsOf<Block>;
+  const int64_t blocks = p.K / kPanelBlockValues<Block>, num_panels = (p.N + kRows - 1) / kRows;
   const int64_t panel_bytes = blocks * static_cast<int64_t>(sizeof(Block));
   // Groups of at most half of L2, as many as a multiple of the threads, so each takes the same share.
   const int64_t threads = at::get_num_threads(), most = std::max<int64_t>(1, half_l2_bytes() / panel_bytes);
@@ -1180,15 +1189,27 @@ void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
   });
 }
 
+template <typename Block>
+struct BlockKind {
+  using type = Block;
+};
+
+// Panels of blocks of 32 over bf16 x, of K-quant super-blocks over fp32 x (uses_int8_panels says which).
 template <int64_t Type>
 void int8_panel_gemm(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
-  auto go = [&](const auto* xp) {
+  auto go = [&](auto block, const auto* xp) {
+    using Block = typename decltype(block)::type;
     const QuantizedX qx = quantize_x(xp, p.M, p.K, 32, true);
-    if (out.scalar_type() == at::kBFloat16) int8_panel_gemm<Type>(qx, p, out.data_ptr<at::BFloat16>());
-    else int8_panel_gemm<Type>(qx, p, out.data_ptr<float>());
+    if (out.scalar_type() == at::kBFloat16) int8_panel_gemm<Type, Block>(qx, p, out.data_ptr<at::BFloat16>());
+    else int8_panel_gemm<Type, Block>(qx, p, out.data_ptr<float>());
   };
-  if (x.scalar_type() == at::kBFloat16) go(x.data_ptr<at::BFloat16>());
-  else go(x.data_ptr<float>());
+  if constexpr (kSuperBlocks<Type>) {
+    if (x.scalar_type() == at::kFloat) return go(BlockKind<Int8Block>{}, x.data_ptr<float>());
+  }
+  if constexpr (kReadsAsBlocks32<Type>) {
+    if (x.scalar_type() == at::kBFloat16) return go(BlockKind<Int8Block32>{}, x.data_ptr<at::BFloat16>());
+  }
+  TORCH_CHECK(false, "quant_linear: no int8 panels for ggml type ", Type, " over ", x.scalar_type(), " x");
 }
 #else
 template <int64_t Type>
