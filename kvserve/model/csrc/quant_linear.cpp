@@ -847,6 +847,7 @@ constexpr int64_t kInt8PanelRows = 8;                  // lanes of int32 in a re
 constexpr int kInt8TileRows = kMaxWalkRows;             // rows of x per pass over a panel (with_rows)
 
 struct alignas(32) Int8Block {  // one super-block of a panel's 8 rows
+  static constexpr int64_t kValues = 256, kRows = kInt8PanelRows;
   uint8_t codes[64][kInt8PanelRows][4];   // [quad of values][row][4 codes]
   int16_t scales[16][kInt8PanelRows][2];  // [16 values][row][its scale, twice]
   int16_t mins[8][kInt8PanelRows][2];     // Q6_K: [32 values][row][its two 16s' mins]
@@ -947,6 +948,7 @@ inline void store_lanes(out_t* out, const Problem& p, int64_t m, int64_t n, __m5
 // the first sum exact in int32 (vpdpbusd where there is VNNI). Q8_0 needs VNNI: vpmaddubsw's int16 pairs of
 // 255 * 127 would saturate. Their panels are as wide as a register's int32 lanes (PanelLanes).
 struct alignas(64) Int8Block32 {  // one block of 32 values of a panel's rows
+  static constexpr int64_t kValues = 32, kRows = PanelLanes::kRows;
   uint8_t codes[8][PanelLanes::kRows][4];  // [quad of values][row][4 codes]
   float d[PanelLanes::kRows];
   float c[PanelLanes::kRows];
@@ -966,10 +968,6 @@ constexpr bool kInt8Panels = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K || 
 // uses_int8_panels), the super-block panels over fp32 x.
 template <int64_t Type>
 constexpr bool kReadsAsBlocks32 = !kSuperBlocks<Type> || Type == kQ4_K || Type == kQ5_K;
-template <typename Block>
-constexpr int64_t kPanelBlockValues = std::is_same_v<Block, Int8Block32> ? 32 : 256;
-template <typename Block>
-constexpr int64_t kInt8PanelRowsOf = std::is_same_v<Block, Int8Block32> ? PanelLanes::kRows : kInt8PanelRows;
 // Quads of products summed in int16 before meeting the scale: each vpmaddubsw lane is at most 2 * 127 * the
 // largest code (15, 31, 63), so eight sums fit in int16 for Q4_K (whose scale covers 32 values), four for Q5_K
 // and two for Q6_K.
@@ -1166,8 +1164,8 @@ bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
 
 template <int64_t Type, typename Block, typename out_t>
 void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
-  constexpr int64_t kRows = kInt8PanelRowsOf<Block>;
-  const int64_t blocks = p.K / kPanelBlockValues<Block>, num_panels = (p.N + kRows - 1) / kRows;
+  constexpr int64_t kRows = Block::kRows;
+  const int64_t blocks = p.K / Block::kValues, num_panels = (p.N + kRows - 1) / kRows;
   const int64_t panel_bytes = blocks * static_cast<int64_t>(sizeof(Block));
   // Groups of at most half of L2, as many as a multiple of the threads, so each takes the same share.
   const int64_t threads = at::get_num_threads(), most = std::max<int64_t>(1, half_l2_bytes() / panel_bytes);
