@@ -79,7 +79,8 @@ Layout layout_of(int64_t type) {
 }
 
 constexpr int64_t kChunk = 256;  // values decoded at a time: one super-block, or eight blocks of 32
-constexpr int64_t kMaxWalkRows = 8;  // up to this many rows of x, the walk over the blocks
+constexpr int64_t kMaxWalkRows = 8;
+constexpr int64_t kWalkChunkBytes = 64 * 1024;  // weight bytes a walking thread claims at a time  // up to this many rows of x, the walk over the blocks
 
 inline float fp16_at(const uint8_t* p) {
   uint16_t bits;
@@ -371,9 +372,14 @@ inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 #endif
 }
 
-// Eight int32 lanes of u * s summed by pairs of bytes, each pair times its int16 lane of `scale`.
-inline __m256i scaled_dot(__m256i u, __m256i s, __m256i scale) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale);
+// acc + eight int32 lanes of u * s summed by pairs of bytes, each pair times its int16 lane of `scale` (one
+// instruction for the multiply-add of pairs and the sum where AVX512-VNNI has it).
+inline __m256i add_scaled_dot(__m256i acc, __m256i u, __m256i s, __m256i scale) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), scale);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale));
+#endif
 }
 
 template <int64_t Type>
@@ -390,21 +396,43 @@ __attribute__((always_inline)) inline void groups_of(const uint8_t* b, F&& f);
 
 // The 12 bytes of a Q4_K / Q5_K super-block's 6-bit scales and mins as 16 bytes: 8 scales, then 8 mins (the low
 // six bits of bytes 0-3 and 4-7 are scales and mins 0-3; scales and mins 4-7 take their low four bits from bytes
-// 8-11 and their top two from the top bits of bytes 0-3 and 4-7).
+// 8-11 and their top two from the top bits of bytes 0-3 and 4-7). Worked in two 64-bit words, scales and mins side
+// by side, as this sits on the walk's path from a block's bytes to its first product.
 inline __m128i scales_mins_k4(const uint8_t* q) {
-  uint32_t w[3];
-  std::memcpy(w, q, 12);
-  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-  const uint32_t scales_hi = (w[2] & low4) | (((w[0] >> 6) & top2) << 4);
-  const uint32_t mins_hi = ((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4);
-  return _mm_setr_epi32(static_cast<int>(w[0] & low6), static_cast<int>(scales_hi), static_cast<int>(w[1] & low6),
-                        static_cast<int>(mins_hi));
+  uint64_t first;
+  uint32_t last;
+  std::memcpy(&first, q, 8);
+  std::memcpy(&last, q + 8, 4);
+  const uint64_t low_bits = last | (static_cast<uint64_t>(last >> 4) << 32);
+  const uint64_t high = (low_bits & 0x0f0f0f0f0f0f0f0full) | (((first >> 6) & 0x0303030303030303ull) << 4);
+  return _mm_unpacklo_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(first & 0x3f3f3f3f3f3f3f3full)),
+                            _mm_cvtsi64_si128(static_cast<int64_t>(high)));
 }
 
-// int16 lane `lane` of v in all 16 lanes.
-inline __m256i broadcast_lane(__m128i v, int lane) {
-  const __m128i pick = _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * lane));
-  return _mm256_broadcastsi128_si256(_mm_shuffle_epi8(v, pick));
+// int16 lane `lane` of each 128-bit half of v in all of that half's lanes (one shuffle: v holds what each half
+// needs in both).
+inline __m256i broadcast_lane(__m256i v, int lane) {
+  return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * lane)));
+}
+
+// A Q4_K / Q5_K super-block's head: its two fp16 scales, its mins per 16 values (int16 lanes) and, returned, its
+// eight sub-block scales (int16).
+inline __m128i k4_head(const uint8_t* b, float& d_scale, float& d_min, __m256i& mins) {
+  d_scale = fp16_at(b);
+  d_min = fp16_at(b + 2);
+  const __m128i packed = scales_mins_k4(b + 4);  // bytes 0-7 the scales, 8-15 the mins
+  mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(packed, packed));
+  return _mm_cvtepu8_epi16(packed);
+}
+
+// A Q6_K super-block's head: d, 32 times its scales as mins per 16 values (the values' offset of -32), and,
+// returned, the even scales (each group's first 16 values) in the low half and the odd ones in the high half.
+inline __m256i q6k_head(const uint8_t* b, float& d, __m256i& mins) {
+  d = fp16_at(b + 208);
+  const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(scales), 5);
+  return _mm256_cvtepi8_epi16(
+      _mm_shuffle_epi8(scales, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
 }
 
 // One super-block of a K-quant: `f(g, u, scale)` gets group g (32 values) as bytes u and its integer scale per
@@ -415,11 +443,7 @@ __attribute__((always_inline)) inline void super_block(const uint8_t* b, F&& f, 
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   if constexpr (Type == kQ4_K || Type == kQ5_K) {
     constexpr bool kFifth = Type == kQ5_K;
-    d_scale = fp16_at(b);
-    d_min = fp16_at(b + 2);
-    const __m128i packed = scales_mins_k4(b + 4);  // bytes 0-7 the scales, 8-15 the mins
-    const __m128i scales = _mm_cvtepu8_epi16(packed);
-    mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(packed, packed));
+    const __m256i scales = _mm256_broadcastsi128_si256(k4_head(b, d_scale, d_min, mins));
     const __m256i high = kFifth ? load256(b + 16) : _mm256_setzero_si256();
     const uint8_t* qs = b + (kFifth ? 48 : 16);
     for (int j = 0; j < 4; ++j) {
@@ -433,9 +457,8 @@ __attribute__((always_inline)) inline void super_block(const uint8_t* b, F&& f, 
       f(2 * j + 1, hi, broadcast_lane(scales, 2 * j + 1));
     }
   } else {  // Q6_K: 6-bit values minus 32, a signed scale per 16
-    d_scale = d_min = fp16_at(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))), 5);
+    const __m256i scales = q6k_head(b, d_scale, mins);
+    d_min = d_scale;
     for (int half = 0; half < 2; ++half) {
       const __m256i lo = load256(b + 64 * half), lo2 = load256(b + 64 * half + 32), h = load256(b + 128 + 32 * half);
       const __m256i q[4] = {
@@ -444,9 +467,7 @@ __attribute__((always_inline)) inline void super_block(const uint8_t* b, F&& f, 
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), low4), _mm256_and_si256(h, _mm256_set1_epi8(0x30))),
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo2, 4), low4),
                           _mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(static_cast<char>(0xC0))), 2))};
-      const int8_t* s = sc + 8 * half;
-      for (int i = 0; i < 4; ++i)
-        f(4 * half + i, q[i], _mm256_set_m128i(_mm_set1_epi16(s[2 * i + 1]), _mm_set1_epi16(s[2 * i])));
+      for (int i = 0; i < 4; ++i) f(4 * half + i, q[i], broadcast_lane(scales, 4 * half + i));
     }
   }
 }
@@ -487,6 +508,16 @@ __attribute__((always_inline)) inline void groups_of(const uint8_t* b, F&& f) {
   }
 }
 
+// A super-block's integer sum (group `group` of x) into fp32: d_scale * dx * sum - d_min * dx * (mins . x's
+// sums per 16), kept in vectors (a horizontal sum per block would be the walk's longest chain).
+inline void fold_super_block(const QuantizedX& qx, int64_t group, __m256i sum, __m256i mins, float d_scale,
+                             float d_min, __m256& acc) {
+  const float dx = qx.d[group];
+  const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.sums.data() + group * 16));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d_scale * dx), acc);
+  acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mins)), _mm256_set1_ps(d_min * dx), acc);
+}
+
 // One block of a 32-value type (block b of the row): a float scale per block, so each group's dot product meets
 // fp32 right away.
 template <int64_t Type, int M>
@@ -508,11 +539,105 @@ __attribute__((always_inline)) inline void add_block(const uint8_t* block, int64
   });
 }
 
+#if defined(__AVX512BW__)
+// The walk over K-quants on 512-bit registers: two groups of 32 values at a time, half the instructions of the
+// 256-bit form. Q4_K / Q5_K pair groups g and g + 2, whose codes share 64 bytes of nibbles, so the walk's x holds
+// each super-block's groups in the order 0, 2, 1, 3, 4, 6, 5, 7 (`kPairedX`); Q6_K pairs g and g + 1.
+template <int64_t Type>
+constexpr bool kPairedX = Type == kQ4_K || Type == kQ5_K;
+
+// A 512-bit register of a 256-bit value for its low half and another for its high half.
+inline __m512i halves(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
+
+// int16 lane `a` of each 128-bit quarter of v in all the lanes of the low two quarters, lane `b` in the high two.
+inline __m512i pick_lanes(__m512i v, int a, int b) {
+  return _mm512_shuffle_epi8(v, halves(_mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * a)),
+                                       _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * b))));
+}
+
+// One super-block of a K-quant as super_block reads it, a pair of groups at a time: `f(k, u, scale)` gets pair k
+// (the walk's x bytes [64k, 64k + 64) of the super-block) as bytes u and their integer scales per pair of values.
+template <int64_t Type, typename F>
+__attribute__((always_inline)) inline void super_block_pairs(const uint8_t* b, F&& f, float& d_scale, float& d_min,
+                                                             __m256i& mins) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    constexpr bool kFifth = Type == kQ5_K;
+    const __m512i scales = _mm512_broadcast_i32x4(k4_head(b, d_scale, d_min, mins));
+    const __m512i high = kFifth ? _mm512_broadcast_i64x4(load256(b + 16)) : _mm512_setzero_si512();
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    for (int j = 0; j < 2; ++j) {  // groups 4j, 4j + 2 in the low nibbles of 64 bytes, 4j + 1, 4j + 3 in the high
+      const __m512i bytes = _mm512_loadu_si512(qs + 64 * j);
+      __m512i lo = _mm512_and_si512(bytes, low4), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      if constexpr (kFifth) {  // group g's fifth bits are bit g of `high`'s bytes
+        const auto bit = [](int g) { return _mm256_set1_epi8(static_cast<char>(1 << g)); };
+        const __m512i sixteen = _mm512_set1_epi8(0x10);
+        lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(high, halves(bit(4 * j), bit(4 * j + 2))), lo, sixteen);
+        hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(high, halves(bit(4 * j + 1), bit(4 * j + 3))), hi, sixteen);
+      }
+      f(2 * j, lo, pick_lanes(scales, 4 * j, 4 * j + 2));
+      f(2 * j + 1, hi, pick_lanes(scales, 4 * j + 1, 4 * j + 3));
+    }
+  } else {  // Q6_K: 6-bit values minus 32, a signed scale per 16
+    const __m512i scales = _mm512_broadcast_i64x4(q6k_head(b, d_scale, mins));  // even, odd, even, odd
+    d_min = d_scale;
+    const auto per_half = [](int low, int high) { return halves(_mm256_set1_epi8(static_cast<char>(low)),
+                                                                _mm256_set1_epi8(static_cast<char>(high))); };
+    const auto words = [](int16_t low, int16_t high) { return halves(_mm256_set1_epi16(low), _mm256_set1_epi16(high)); };
+    for (int half = 0; half < 2; ++half) {  // 128 values: groups 4h, 4h + 1 (low nibbles), 4h + 2, 4h + 3 (high)
+      const __m512i ql = _mm512_loadu_si512(b + 64 * half);
+      const __m512i qh = _mm512_broadcast_i64x4(load256(b + 128 + 32 * half));
+      const __m512i first = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                            _mm512_sllv_epi16(_mm512_and_si512(qh, per_half(0x03, 0x0C)), words(4, 2)));
+      const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                             _mm512_srlv_epi16(_mm512_and_si512(qh, per_half(0x30, 0xC0)), words(0, 2)));
+      f(2 * half, first, pick_lanes(scales, 4 * half, 4 * half + 1));
+      f(2 * half + 1, second, pick_lanes(scales, 4 * half + 2, 4 * half + 3));
+    }
+  }
+}
+
+// x's groups of each super-block in the order super_block_pairs reads Q4_K / Q5_K (swaps groups 1, 2 and 5, 6).
+inline void pair_groups(int8_t* q, int64_t values) {
+  for (int64_t i = 0; i < values; i += 256)
+    for (int64_t g : {1, 5}) std::swap_ranges(q + i + 32 * g, q + i + 32 * (g + 1), q + i + 32 * (g + 1));
+}
+
+template <int64_t Type, int M>
+__attribute__((always_inline)) inline void add_super_block(const uint8_t* block, int64_t b, const QuantizedX& qx,
+                                                           const Problem& p, __m256* acc) {
+  const int64_t blocks = p.K / 256;
+  __m512i isum[2][M];  // two chains of sums, so a super-block's products do not wait on each other
+  for (int m = 0; m < M; ++m) isum[0][m] = isum[1][m] = _mm512_setzero_si512();
+  float d_scale, d_min;
+  __m256i mins;
+  super_block_pairs<Type>(block, [&](int k, __m512i u, __m512i scale) __attribute__((always_inline)) {
+    for (int m = 0; m < M; ++m) {
+      const __m512i x = _mm512_loadu_si512(qx.q.data() + m * p.K + b * 256 + k * 64);
+      __m512i& sum = isum[k & 1][m];
+#if defined(__AVX512VNNI__)
+      sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(u, x), scale);
+#else
+      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), scale));
+#endif
+    }
+  }, d_scale, d_min, mins);
+  for (int m = 0; m < M; ++m) {
+    const __m512i both = _mm512_add_epi32(isum[0][m], isum[1][m]);
+    const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(both), _mm512_extracti64x4_epi64(both, 1));
+    fold_super_block(qx, m * blocks + b, sum, mins, d_scale, d_min, acc[m]);
+  }
+}
+#else
+template <int64_t Type>
+constexpr bool kPairedX = false;
+inline void pair_groups(int8_t*, int64_t) {}
+
 // One K-quant super-block (block b of the row): integer sums of u * x * scale, and of the mins times x's sums
 // per 16, meeting fp32 once.
 template <int64_t Type, int M>
 __attribute__((always_inline)) inline void add_super_block(const uint8_t* block, int64_t b, const QuantizedX& qx,
-                                                           const Problem& p, __m256* acc, float* offset) {
+                                                           const Problem& p, __m256* acc) {
   const int64_t blocks = p.K / 256;
   __m256i isum[M];
   for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
@@ -521,16 +646,12 @@ __attribute__((always_inline)) inline void add_super_block(const uint8_t* block,
   super_block<Type>(block, [&](int g, __m256i u, __m256i scale) __attribute__((always_inline)) {
     for (int m = 0; m < M; ++m) {
       const __m256i x = load256(reinterpret_cast<const uint8_t*>(qx.q.data() + m * p.K + b * 256 + g * 32));
-      isum[m] = _mm256_add_epi32(isum[m], scaled_dot(u, x, scale));
+      isum[m] = add_scaled_dot(isum[m], u, x, scale);
     }
   }, d_scale, d_min, mins);
-  for (int m = 0; m < M; ++m) {
-    const float dx = qx.d[m * blocks + b];
-    const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.sums.data() + (m * blocks + b) * 16));
-    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d_scale * dx), acc[m]);
-    offset[m] -= d_min * dx * static_cast<float>(hsum(_mm256_madd_epi16(sums, mins)));
-  }
+  for (int m = 0; m < M; ++m) fold_super_block(qx, m * blocks + b, isum[m], mins, d_scale, d_min, acc[m]);
 }
+#endif
 
 template <int64_t Type, int M, typename out_t>
 void walk_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, out_t* out) {
@@ -543,7 +664,7 @@ void walk_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, o
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), offset[m] = 0.f;
     for (int64_t b = 0; b < blocks; ++b, block += kLayout.bytes) {
       simd::prefetch_ahead(block, kLayout.bytes);
-      if constexpr (kSuperBlocks<Type>) add_super_block<Type, M>(block, b, qx, p, acc, offset);
+      if constexpr (kSuperBlocks<Type>) add_super_block<Type, M>(block, b, qx, p, acc);
       else add_block<Type, M>(block, b, qx, p, acc, offset);
     }
     for (int m = 0; m < M; ++m) store(out, p, m, n, hsum(acc[m]) + offset[m]);
@@ -552,7 +673,8 @@ void walk_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, o
 
 template <int64_t Type, typename in_t, typename out_t>
 void walk(const in_t* x, const Problem& p, out_t* out) {
-  const QuantizedX qx = quantize_x(x, p.M, p.K, kSuperBlocks<Type> ? 256 : 32, false);
+  QuantizedX qx = quantize_x(x, p.M, p.K, kSuperBlocks<Type> ? 256 : 32, false);
+  if constexpr (kPairedX<Type>) pair_groups(qx.q.data(), p.M * p.K);
   at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
     with_rows(p.M, [&](auto rows) { walk_rows<Type, decltype(rows)::value>(qx, p, n0, n1, out); });
   });
