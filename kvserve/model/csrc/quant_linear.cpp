@@ -1132,6 +1132,7 @@ void decode_int8_panel(const Problem& p, int64_t n0, Int8Block32* panel) {
           continue;
         }
         const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayoutOf<Type>.bytes;
+        simd::prefetch_ahead(block, kLayoutOf<Type>.bytes);  // the panel's rows are as many streams from memory
         groups_of<Type>(block, [&](int g, __m256i codes, float d, float, float c, float) __attribute__((always_inline)) {
           if constexpr (kSigned<Type>) codes = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80))), c = -128.f * d;
           u[g][r - r0] = codes, out[g].d[r] = d, out[g].c[r] = c;
@@ -1151,6 +1152,7 @@ void decode_int8_panel(const Problem& p, int64_t n0, Int8Block* panel) {
   for (int64_t r = 0; r < std::min(kInt8PanelRows, p.N - n0); ++r) {
     const uint8_t* block = p.w + (n0 + r) * p.row_bytes;
     for (int64_t b = 0; b < p.K / 256; ++b, block += kLayoutOf<Type>.bytes) {
+      simd::prefetch_ahead(block, kLayoutOf<Type>.bytes);
       Int8Block& out = panel[b];
       alignas(32) uint32_t quads[8];
       alignas(32) int16_t lanes[16];
