@@ -326,7 +326,7 @@ inline void quantize_group(const in_t* x, int64_t group, int8_t* q, float* d, in
 // Walk-sized inputs (a few rows) stay on the calling thread: forking for them costs more than it saves.
 constexpr int64_t kQuantizeGrainValues = int64_t{1} << 17;
 
-// `with_sums_d`: the int8 panels read each group's sums_d; the walk does not.
+// `with_sums_d`: the int8 panels and the walk over 32-value blocks read each group's sums_d.
 template <typename in_t>
 QuantizedX quantize_x(const in_t* x, int64_t M, int64_t K, int64_t group, bool with_sums_d) {
   const int64_t groups = M * K / group;
@@ -531,10 +531,7 @@ __attribute__((always_inline)) inline void add_block(const uint8_t* block, int64
       if constexpr (kSigned<Type>) x = _mm256_sign_epi8(x, u);
       const float dx = qx.d[m * blocks + b];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(w, x)), _mm256_set1_ps(a * dx), acc[m]);
-      if constexpr (!kSigned<Type>) {
-        const int16_t* sums = qx.sums.data() + m * 2 * blocks + 2 * b;
-        offset[m] += c * dx * static_cast<float>(sums[0] + sums[1]);
-      }
+      if constexpr (!kSigned<Type>) offset[m] += c * qx.sums_d[m * blocks + b];  // c * sum(x)
     }
   });
 }
@@ -673,7 +670,7 @@ void walk_rows(const QuantizedX& qx, const Problem& p, int64_t n0, int64_t n1, o
 
 template <int64_t Type, typename in_t, typename out_t>
 void walk(const in_t* x, const Problem& p, out_t* out) {
-  QuantizedX qx = quantize_x(x, p.M, p.K, kSuperBlocks<Type> ? 256 : 32, false);
+  QuantizedX qx = quantize_x(x, p.M, p.K, kSuperBlocks<Type> ? 256 : 32, !kSuperBlocks<Type>);
   if constexpr (kPairedX<Type>) pair_groups(qx.q.data(), p.M * p.K);
   at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
     with_rows(p.M, [&](auto rows) { walk_rows<Type, decltype(rows)::value>(qx, p, n0, n1, out); });
