@@ -1114,12 +1114,16 @@ inline void transpose_8x8_epi32(__m256i v[8]) {
 
 // Weight rows [n0, n0 + kRows) as a panel: panel[b] their values [32 b, 32 b + 32) (rows past N: zeros). Each
 // row's 32 codes are its 8 quads: the panel's quad i is lane i of every row, so each 8 rows' codes transpose as
-// 8 x 8 int32. A K-quant's super-block gives 8 blocks of 32.
+// 8 x 8 int32. A K-quant's super-block gives 8 blocks of 32. The next panel's rows (one stretch of memory) are
+// asked for a slice per block meanwhile: read row by row, each row's first block waited on memory.
 template <int64_t Type>
 void decode_int8_panel(const Problem& p, int64_t n0, Int8Block32* panel) {
   constexpr int kGroups = kLayoutOf<Type>.values / 32;
-  const int64_t rows = std::min(PanelLanes::kRows, p.N - n0);
-  for (int64_t b = 0; b < p.K / kLayoutOf<Type>.values; ++b) {
+  const int64_t rows = std::min(PanelLanes::kRows, p.N - n0), blocks = p.K / kLayoutOf<Type>.values;
+  const int64_t next = std::min(n0 + PanelLanes::kRows, p.N);
+  const int64_t next_bytes = (std::min(next + PanelLanes::kRows, p.N) - next) * p.row_bytes;
+  for (int64_t b = 0; b < blocks; ++b) {
+    simd::prefetch_slice(p.w + next * p.row_bytes, next_bytes, b, blocks);
     Int8Block32* out = panel + kGroups * b;
     for (int64_t r0 = 0; r0 < PanelLanes::kRows; r0 += 8) {
       __m256i u[kGroups][8];
@@ -1129,7 +1133,6 @@ void decode_int8_panel(const Problem& p, int64_t n0, Int8Block32* panel) {
           continue;
         }
         const uint8_t* block = p.w + (n0 + r) * p.row_bytes + b * kLayoutOf<Type>.bytes;
-        simd::prefetch_ahead(block, kLayoutOf<Type>.bytes);  // the panel's rows are as many streams from memory
         groups_of<Type>(block, [&](int g, __m256i codes, float d, float, float c, float) __attribute__((always_inline)) {
           if constexpr (kSigned<Type>) codes = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80))), c = -128.f * d;
           u[g][r - r0] = codes, out[g].d[r] = d, out[g].c[r] = c;
@@ -1179,34 +1182,53 @@ inline __m256i broadcast_quad(const void* p) {
   return _mm256_set1_epi32(quad);
 }
 
+// x's rows as the panels of 32-value blocks take them: each tile of up to kInt8TileRows rows (r of them) block by
+// block, as [8 quads][r] codes and [d | sums_d][r] scales, so every product takes its quad of x as a broadcast
+// operand at a fixed offset from one pointer (rows read where quantize_x left them held a register each for
+// their pointers, more than a core has beside the sums).
+struct PanelX {
+  int64_t blocks;
+  std::vector<int32_t> quads;  // the tile at row m0 from quads[m0 * blocks * 8]
+  std::vector<float> scales;   // and from scales[m0 * blocks * 2]
+
+  PanelX(const QuantizedX& qx, int64_t M, int64_t K) : blocks(K / 32), quads(M * K / 4), scales(M * K / 16) {
+    for (int64_t m0 = 0; m0 < M; m0 += kInt8TileRows) {
+      const int64_t r = std::min<int64_t>(kInt8TileRows, M - m0);
+      int32_t* q = quads.data() + m0 * blocks * 8;
+      float* s = scales.data() + m0 * blocks * 2;
+      for (int64_t b = 0; b < blocks; ++b, q += 8 * r, s += 2 * r)
+        for (int64_t m = 0; m < r; ++m) {
+          for (int i = 0; i < 8; ++i) std::memcpy(q + i * r + m, qx.q.data() + (m0 + m) * K + 32 * b + 4 * i, 4);
+          s[m] = qx.d[(m0 + m) * blocks + b];
+          s[r + m] = qx.sums_d[(m0 + m) * blocks + b];
+        }
+    }
+  }
+};
+
 // out[m0 + i, n0 + l] for i < MR, l < kRows over a panel of 32-value blocks: per block its 8 quads stay in
 // registers while each row of x takes them.
 template <int64_t Type, int MR, typename out_t>
-__attribute__((noinline)) void int8_panel_rows(const Problem& p, const QuantizedX& qx, int64_t m0,
+__attribute__((noinline)) void int8_panel_rows(const Problem& p, const PanelX& x, int64_t m0,
                                               const Int8Block32* panel, int64_t n0, out_t* out) {
   using V = PanelLanes;
-  const int64_t groups = p.K / 32;
-  const int8_t* xq = qx.q.data() + m0 * p.K;
-  const float *xd = qx.d.data() + m0 * groups, *xs = qx.sums_d.data() + m0 * groups;
+  const int32_t* xq = x.quads.data() + m0 * x.blocks * 8;
+  const float* xs = x.scales.data() + m0 * x.blocks * 2;
   V::F acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = V::zero_ps();
-  for (int64_t b = 0; b < groups; ++b) {
+  for (int64_t b = 0; b < x.blocks; ++b, xq += 8 * MR, xs += 2 * MR) {
     const Int8Block32& w = panel[b];
     // Quad-major, so each row of x has its own chain of sums (one chain would wait on vpdpbusd's latency).
     V::I sum[MR];
     for (int m = 0; m < MR; ++m) sum[m] = V::zero();
     for (int i = 0; i < 8; ++i) {
       const V::I u = V::load(w.codes[i]);
-      for (int m = 0; m < MR; ++m) {
-        int32_t quad;
-        std::memcpy(&quad, xq + m * p.K + 32 * b + 4 * i, 4);
-        sum[m] = V::add_quad_products(sum[m], u, V::quad(quad));
-      }
+      for (int m = 0; m < MR; ++m) sum[m] = V::add_quad_products(sum[m], u, V::quad(xq[i * MR + m]));
     }
     const V::F d = V::load_ps(w.d), c = V::load_ps(w.c);
     for (int m = 0; m < MR; ++m) {
-      acc[m] = V::fmadd(V::to_float(sum[m]), V::mul(d, V::set1_ps(xd[m * groups + b])), acc[m]);
-      acc[m] = V::fmadd(c, V::set1_ps(xs[m * groups + b]), acc[m]);
+      acc[m] = V::fmadd(V::to_float(sum[m]), V::mul(d, V::set1_ps(xs[m])), acc[m]);
+      acc[m] = V::fmadd(c, V::set1_ps(xs[MR + m]), acc[m]);
     }
   }
   for (int m = 0; m < MR; ++m) store_lanes(out, p, m0 + m, n0, acc[m], std::min(V::kRows, p.N - n0));
@@ -1283,8 +1305,8 @@ bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
   }
 }
 
-template <int64_t Type, typename Block, typename out_t>
-void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
+template <int64_t Type, typename Block, typename X, typename out_t>
+void int8_panel_gemm(const X& x, const Problem& p, out_t* out) {
   constexpr int64_t kRows = Block::kRows;
   const int64_t blocks = p.K / Block::kValues, num_panels = (p.N + kRows - 1) / kRows;
   const int64_t panel_bytes = blocks * static_cast<int64_t>(sizeof(Block));
@@ -1301,7 +1323,7 @@ void int8_panel_gemm(const QuantizedX& qx, const Problem& p, out_t* out) {
       for (int64_t m0 = 0; m0 < p.M; m0 += kInt8TileRows)
         with_rows(std::min<int64_t>(kInt8TileRows, p.M - m0), [&](auto rows) {
           for (int64_t i = 0; i < count; ++i)
-            int8_panel_rows<Type, decltype(rows)::value>(p, qx, m0, panels.data() + i * blocks,
+            int8_panel_rows<Type, decltype(rows)::value>(p, x, m0, panels.data() + i * blocks,
                                                          (first + i) * kRows, out);
         });
     }
@@ -1319,8 +1341,12 @@ void int8_panel_gemm(const at::Tensor& x, const Problem& p, const at::Tensor& ou
   auto go = [&](auto block, const auto* xp) {
     using Block = typename decltype(block)::type;
     const QuantizedX qx = quantize_x(xp, p.M, p.K, 32, true);
-    if (out.scalar_type() == at::kBFloat16) int8_panel_gemm<Type, Block>(qx, p, out.data_ptr<at::BFloat16>());
-    else int8_panel_gemm<Type, Block>(qx, p, out.data_ptr<float>());
+    auto run = [&](const auto& x) {
+      if (out.scalar_type() == at::kBFloat16) int8_panel_gemm<Type, Block>(x, p, out.data_ptr<at::BFloat16>());
+      else int8_panel_gemm<Type, Block>(x, p, out.data_ptr<float>());
+    };
+    if constexpr (std::is_same_v<Block, Int8Block32>) run(PanelX(qx, p.M, p.K));
+    else run(qx);
   };
   if constexpr (kSuperBlocks<Type>) {
     if (x.scalar_type() == at::kFloat) return go(BlockKind<Int8Block>{}, x.data_ptr<float>());
@@ -1379,12 +1405,6 @@ __attribute__((always_inline)) inline void decode_step(const uint8_t* block, at:
   else decode_block<Type>(block, y);
 }
 
-// Slice `step` of `steps` of [region, region + bytes): every cache line starting in it asked for.
-inline void prefetch_slice(const uint8_t* region, int64_t bytes, int64_t step, int64_t steps) {
-  for (int64_t offset = step * bytes / steps / 64 * 64; offset < (step + 1) * bytes / steps; offset += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(region) + offset, _MM_HINT_T0);
-}
-
 // Tile registers: 0 and 7 the weights (alternating), 1, 5 and 6 x's row tiles 0-2, 2-4 their results.
 template <int64_t Type, typename out_t>
 __attribute__((target("amx-tile,amx-bf16"))) __attribute__((noinline))
@@ -1420,7 +1440,7 @@ void amx_weight_tiles(const Problem& p, const uint32_t* pairs, int64_t Mp, int64
     decode(0);
     int64_t step = 0;
     for (int64_t b = 0; b < blocks; ++b) {
-      prefetch_slice(next_tile, next_tile_bytes, b, blocks);
+      simd::prefetch_slice(next_tile, next_tile_bytes, b, blocks);
       if (b + 1 < blocks) decode(b + 1);
       const int64_t k = b * kLayout.values;
       for (int64_t j = 0; j < kLayout.values; j += kAmxTileValues) {

@@ -172,4 +172,15 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
   (void)p, (void)bytes;
 #endif
 }
+
+// Slice `step` of `steps` of [region, region + bytes): every cache line starting in it asked for (a region the
+// caller reads next, requested a slice per step of the work before it).
+inline void prefetch_slice(const void* region, int64_t bytes, int64_t step, int64_t steps) {
+#if defined(KVSERVE_SIMD)
+  for (int64_t offset = step * bytes / steps / 64 * 64; offset < (step + 1) * bytes / steps; offset += 64)
+    _mm_prefetch(static_cast<const char*>(region) + offset, _MM_HINT_T0);
+#else
+  (void)region, (void)bytes, (void)step, (void)steps;
+#endif
+}
 }  // namespace simd
