@@ -1334,7 +1334,7 @@ at::Tensor decode_in_place(const at::Tensor& q, const cache_t* k_cache, const ca
   auto out = at::empty_like(q);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   int64_t max_part_tokens = 0;
-#if defined(KVSERVE_AMX)
+#if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>)
     max_part_tokens = tile_attention::kMaxPartTokens;  // what a part on tiles lays out must stay in L2
 #endif
@@ -1344,9 +1344,9 @@ at::Tensor decode_in_place(const at::Tensor& q, const cache_t* k_cache, const ca
   run_parts(plan, num_seqs, num_kv_heads, group, head_dim, q.data_ptr<q_t>(), out.data_ptr<q_t>(),
             [&](const Part& part, const q_t* rows, int64_t num_rows, float* partial, auto& scores, auto& qf,
                 auto& row, auto& offsets, auto&, auto&) {
-#if defined(KVSERVE_AMX)
+#if defined(__AVX512BF16__)
               if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
-                if (tile_attention::applies(num_rows, head_dim))  // a shared prefix's many rows: tile products
+                if (tile_attention::applies(num_rows, head_dim))  // a shared prefix's many rows: pair products
                   return tile_attention::attend_rows(rows, num_rows, k_cache, v_cache, tables + part.seq * max_blocks,
                                                      block_size, num_kv_heads, part.kv_head, head_dim, part.first,
                                                      part.end, static_cast<float>(scale), partial);

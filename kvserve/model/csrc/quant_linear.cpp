@@ -1315,7 +1315,8 @@ void int8_panel_gemm(const X& x, const Problem& p, out_t* out) {
   const int64_t groups = ((num_panels + most - 1) / most + threads - 1) / threads * threads;
   const int64_t per_group = (num_panels + groups - 1) / groups;
   at::parallel_for(0, (num_panels + per_group - 1) / per_group, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<Block> panels(per_group * blocks);
+    thread_local std::vector<Block> panels;  // kept for the next call: every panel is written whole before use
+    if (panels.size() < static_cast<size_t>(per_group * blocks)) panels.resize(per_group * blocks);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t first = g * per_group, count = std::min(per_group, num_panels - first);
       for (int64_t i = 0; i < count; ++i)
