@@ -949,7 +949,8 @@ void gemm_slices(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
 
 // ---------------------------------------------------------------------------------------------- int8 panels
 #if defined(__AVX2__)
-// More than 8 rows (a batched decode step, prefill) over weights in blocks, wherever AMX does not take them: the
+// More than 8 rows (a batched decode step, prefill; over the 32-value types with bf16 dot products, from 5: see
+// kFewestPanelRows) over weights in blocks, wherever AMX does not take them: the
 // slices' matmul is bound by the FMA units (fp32, or bf16 dot products at half the integer rate) and pays for
 // writing the decoded weights out. For the K-quants: x is quantized to int8 with one scale dx per 32 values
 // (the walk's rounding; per 256, as llama.cpp rounds for K-quants, cost perplexity where activations have
@@ -1006,6 +1007,16 @@ struct PanelLanes {
     return _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x4), _mm512_set1_epi16(1)));
 #endif
   }
+  // The same with x's quad read from memory as the product's broadcast operand (compilers emit a separate
+  // broadcast for the intrinsic: one more instruction per product).
+  static I add_quad_products(I sum, I u, const int32_t* x) {
+#if defined(__AVX512VNNI__)
+    asm("vpdpbusd %[x]%{1to16%}, %[u], %[sum]" : [sum] "+v"(sum) : [u] "v"(u), [x] "m"(*x));
+    return sum;
+#else
+    return add_quad_products(sum, u, quad(*x));
+#endif
+  }
 };
 #else
 struct PanelLanes {
@@ -1024,6 +1035,7 @@ struct PanelLanes {
   static I add_quad_products(I sum, I u, I x4) {
     return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x4), _mm256_set1_epi16(1)));
   }
+  static I add_quad_products(I sum, I u, const int32_t* x) { return add_quad_products(sum, u, quad(*x)); }
 };
 #endif
 
@@ -1223,7 +1235,7 @@ __attribute__((noinline)) void int8_panel_rows(const Problem& p, const PanelX& x
     for (int m = 0; m < MR; ++m) sum[m] = V::zero();
     for (int i = 0; i < 8; ++i) {
       const V::I u = V::load(w.codes[i]);
-      for (int m = 0; m < MR; ++m) sum[m] = V::add_quad_products(sum[m], u, V::quad(xq[i * MR + m]));
+      for (int m = 0; m < MR; ++m) sum[m] = V::add_quad_products(sum[m], u, xq + i * MR + m);
     }
     const V::F d = V::load_ps(w.d), c = V::load_ps(w.c);
     for (int m = 0; m < MR; ++m) {
@@ -1280,6 +1292,15 @@ __attribute__((noinline)) void int8_panel_rows(const Problem& p, const Quantized
     store_lanes(out, p, m0 + m, n0, _mm256_load_ps(acc[m]), std::min(kInt8PanelRows, p.N - n0));
 }
 
+// The fewest rows that take panels: past the walk's, and with bf16 dot products (16-row panels on vpdpbusd)
+// from 5 over the 32-value types, whose walk panels beat from there (RESULTS.md, section 31).
+template <int64_t Type>
+#if defined(__AVX512BF16__)
+constexpr int64_t kFewestPanelRows = kSuperBlocks<Type> ? kMaxWalkRows + 1 : 5;
+#else
+constexpr int64_t kFewestPanelRows = kMaxWalkRows + 1;
+#endif
+
 // Which batches take panels, as measured: K-quants with fp32 x on families without bf16 dot products (fp32 is
 // their compute dtype), the 32-value types with bf16 x where AMX does not take it (with fp32 x their rounding
 // moved a real model's logits past its K-quants'), and Q4_K and Q5_K with bf16 x on the family with bf16 and
@@ -1288,7 +1309,7 @@ __attribute__((noinline)) void int8_panel_rows(const Problem& p, const Quantized
 // bf16 dot products keeps the slices' fp32 arithmetic. RESULTS.md, sections 28 and 29.
 template <int64_t Type>
 bool uses_int8_panels(const at::Tensor& x, const Problem& p) {
-  if (!kInt8Panels<Type> || p.M <= kMaxWalkRows) return false;
+  if (!kInt8Panels<Type> || p.M < kFewestPanelRows<Type>) return false;
 #if defined(KVSERVE_AMX)
   const bool bf16_x = x.scalar_type() == at::kBFloat16 && !amx::ready();
 #else
