@@ -18,9 +18,10 @@ from kvserve.model.quant_weight import DENSE_TYPES, QUANT_LINEAR_TYPES, QuantPar
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-# The walk (1-8 rows); with bf16 x on a CPU with AMX, tiles decoded in L1 (9-48 rows: one, three partial and
-# three whole tiles of x's rows); then decoded slices through torch's matmul.
-BATCH_ROWS = (1, 2, 3, 8, 9, 33, 48, 49, 300)
+# The walk (1-8 rows; over the 32-value types with bf16 dot products and no AMX, int8 panels from 5); with bf16
+# x on a CPU with AMX, tiles decoded in L1 (9-48 rows: one, three partial and three whole tiles of x's rows);
+# then decoded slices through torch's matmul, or int8 panels.
+BATCH_ROWS = (1, 2, 3, 5, 8, 9, 33, 48, 49, 300)
 WALK_ROWS = 8
 # The walk's int8 activations move these random models' logits by 0.6-1.5% of their largest (llama.cpp's decode
 # rounds the same way); a slip in a block's decoding moves them by far more.
