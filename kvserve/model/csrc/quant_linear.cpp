@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <unistd.h>
 #include <vector>
@@ -1196,25 +1197,34 @@ inline __m256i broadcast_quad(const void* p) {
 
 // x's rows as the panels of 32-value blocks take them: each tile of up to kInt8TileRows rows (r of them) block by
 // block, as [8 quads][r] codes and [d | sums_d][r] scales, so every product takes its quad of x as a broadcast
-// operand at a fixed offset from one pointer (rows read where quantize_x left them held a register each for
-// their pointers, more than a core has beside the sums).
+// operand at a fixed offset from one pointer (rows read where quantize_x would leave them held a register each
+// for their pointers, more than a core has beside the sums). Quantized straight into that layout, tiles shared
+// among the threads: the calling thread alone took a tenth of a prefill's matmuls laying out a copy.
 struct PanelX {
   int64_t blocks;
-  std::vector<int32_t> quads;  // the tile at row m0 from quads[m0 * blocks * 8]
-  std::vector<float> scales;   // and from scales[m0 * blocks * 2]
+  std::unique_ptr<int32_t[]> quads;  // the tile at row m0 from quads[m0 * blocks * 8]; every slot written
+  std::unique_ptr<float[]> scales;   // and from scales[m0 * blocks * 2]
 
-  PanelX(const QuantizedX& qx, int64_t M, int64_t K) : blocks(K / 32), quads(M * K / 4), scales(M * K / 16) {
-    for (int64_t m0 = 0; m0 < M; m0 += kInt8TileRows) {
-      const int64_t r = std::min<int64_t>(kInt8TileRows, M - m0);
-      int32_t* q = quads.data() + m0 * blocks * 8;
-      float* s = scales.data() + m0 * blocks * 2;
-      for (int64_t b = 0; b < blocks; ++b, q += 8 * r, s += 2 * r)
-        for (int64_t m = 0; m < r; ++m) {
-          for (int i = 0; i < 8; ++i) std::memcpy(q + i * r + m, qx.q.data() + (m0 + m) * K + 32 * b + 4 * i, 4);
-          s[m] = qx.d[(m0 + m) * blocks + b];
-          s[r + m] = qx.sums_d[(m0 + m) * blocks + b];
-        }
-    }
+  template <typename in_t>
+  PanelX(const in_t* x, int64_t M, int64_t K)
+      : blocks(K / 32), quads(new int32_t[M * K / 4]), scales(new float[M * K / 16]) {
+    const int64_t tiles = (M + kInt8TileRows - 1) / kInt8TileRows;
+    const int64_t grain = std::max<int64_t>(1, kQuantizeGrainValues / (kInt8TileRows * K));
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      for (int64_t m0 = t0 * kInt8TileRows; m0 < std::min(M, t1 * kInt8TileRows); m0 += kInt8TileRows) {
+        const int64_t r = std::min<int64_t>(kInt8TileRows, M - m0);
+        int32_t* q = quads.get() + m0 * blocks * 8;
+        float* s = scales.get() + m0 * blocks * 2;
+        for (int64_t b = 0; b < blocks; ++b, q += 8 * r, s += 2 * r)
+          for (int64_t m = 0; m < r; ++m) {
+            alignas(32) int32_t block[8];
+            int16_t unused_sums[2];
+            quantize_group(x + (m0 + m) * K + 32 * b, 32, reinterpret_cast<int8_t*>(block), s + m, unused_sums,
+                           s + r + m);
+            for (int i = 0; i < 8; ++i) q[i * r + m] = block[i];
+          }
+      }
+    });
   }
 };
 
@@ -1224,8 +1234,8 @@ template <int64_t Type, int MR, typename out_t>
 __attribute__((noinline)) void int8_panel_rows(const Problem& p, const PanelX& x, int64_t m0,
                                               const Int8Block32* panel, int64_t n0, out_t* out) {
   using V = PanelLanes;
-  const int32_t* xq = x.quads.data() + m0 * x.blocks * 8;
-  const float* xs = x.scales.data() + m0 * x.blocks * 2;
+  const int32_t* xq = x.quads.get() + m0 * x.blocks * 8;
+  const float* xs = x.scales.get() + m0 * x.blocks * 2;
   V::F acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = V::zero_ps();
   for (int64_t b = 0; b < x.blocks; ++b, xq += 8 * MR, xs += 2 * MR) {
@@ -1362,13 +1372,12 @@ template <int64_t Type>
 void int8_panel_gemm(const at::Tensor& x, const Problem& p, const at::Tensor& out) {
   auto go = [&](auto block, const auto* xp) {
     using Block = typename decltype(block)::type;
-    const QuantizedX qx = quantize_x(xp, p.M, p.K, 32, true);
     auto run = [&](const auto& x) {
       if (out.scalar_type() == at::kBFloat16) int8_panel_gemm<Type, Block>(x, p, out.data_ptr<at::BFloat16>());
       else int8_panel_gemm<Type, Block>(x, p, out.data_ptr<float>());
     };
-    if constexpr (std::is_same_v<Block, Int8Block32>) run(PanelX(qx, p.M, p.K));
-    else run(qx);
+    if constexpr (std::is_same_v<Block, Int8Block32>) run(PanelX(xp, p.M, p.K));
+    else run(quantize_x(xp, p.M, p.K, 32, true));
   };
   if constexpr (kSuperBlocks<Type>) {
     if (x.scalar_type() == at::kFloat) return go(BlockKind<Int8Block>{}, x.data_ptr<float>());
