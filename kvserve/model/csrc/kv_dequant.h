@@ -98,11 +98,12 @@ struct Source {
   float row_byte_scale(int64_t slot, int64_t head) const {
     return byte_scale(static_cast<const uint8_t*>(scales)[slot * num_kv_heads + head]);
   }
-  // Asks for a row's bytes ahead of use (strided rows: hardware prefetchers follow them poorly).
+  // Asks for a row's bytes ahead of use, into L2 (strided rows: hardware prefetchers follow them poorly;
+  // paged_attention.cpp says why L2).
   void prefetch(int64_t slot, int64_t head) const {
 #if defined(KVSERVE_SIMD)
     const char* p = reinterpret_cast<const char*>(row_data(slot, head));
-    for (int64_t byte = 0; byte < data_dim(); byte += 64) _mm_prefetch(p + byte, _MM_HINT_T0);
+    for (int64_t byte = 0; byte < data_dim(); byte += 64) _mm_prefetch(p + byte, _MM_HINT_T1);
 #endif
   }
 

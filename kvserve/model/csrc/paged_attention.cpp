@@ -50,12 +50,14 @@ inline void to_float<Fp8E5m2>(const Fp8E5m2* src, float* dst, int64_t n) {
 
 #if defined(KVSERVE_SIMD)
 // Asks for a cache row ahead of use: the context of a decode step is usually out of cache (30 layers of a
-// batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly.
+// batch's KV exceed L3), and its rows are strided, which hardware prefetchers follow poorly. Every request in
+// this file is into L2 (prefetcht1): a context row is read once, soon after, and requests into L1 hold the
+// core's few L1 miss buffers, which capped how many rows were on their way (RESULTS.md, section 32).
 constexpr int64_t kPrefetchDistance = 64;  // tokens
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
   for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T1);
 }
 
 // Before scoring keys [t0, t0 + 16): asks for the K and V rows up to kPrefetchDistance tokens ahead that are not
@@ -81,10 +83,10 @@ inline __m128 int4_chunk_scales(const uint16_t* scales) {
 
 // Asks for a row's codes and scales (rows: (slot, KV head) indices; int4 keys' scales are per block).
 inline void prefetch_int4_row(const kvq::Source& source, int64_t row) {
-  _mm_prefetch(reinterpret_cast<const char*>(source.data + row * source.data_dim()), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(source.data + row * source.data_dim()), _MM_HINT_T1);
   if (!source.channel_keys())
     _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(source.scales) + row * source.groups()),
-                 _MM_HINT_T0);
+                 _MM_HINT_T1);
 }
 
 // ---- int4 keys read in place (fp32 products; kv_dequant.h has the format) ----
@@ -132,7 +134,7 @@ void for_each_key_block(const kvq::Source& keys, const kvq::Source& values, cons
     const int64_t ahead = (pos + kPrefetchDistance) / block_size;
     if (ahead * block_size < end_token) {
       const char* bytes = reinterpret_cast<const char*>(keys.block_channels(table[ahead], kv_head));
-      for (int64_t line = 0; line < 2 * keys.head_dim; line += 64) _mm_prefetch(bytes + line, _MM_HINT_T0);
+      for (int64_t line = 0; line < 2 * keys.head_dim; line += 64) _mm_prefetch(bytes + line, _MM_HINT_T1);
     }
     score(keys.block_channels(table[block], kv_head), t0, t1);
     pos = stop;
@@ -783,16 +785,15 @@ void exp_rows(float* scores, int64_t group, int64_t num_tokens, float* row_max, 
 // One sequence's own context (bf16 cache and queries) over all its KV heads in one unit: tiles of 16 tokens, the
 // heads' query rows one after another over each tile, so a tile's K rows (every head's side by side) are read
 // from one stretch of memory while it is in L1, then the same for V. A core doing this arithmetic keeps too few
-// misses in flight by itself, so each tile asks for the rows kTilesAhead tiles on, a head's rows at a time (a
-// burst of requests would fill the core's miss buffers and stall it). Writes each head's partial as decode_task
-// does, head h's at partial + h x head_stride.
+// misses in flight by itself, so each tile asks for the rows kTilesAhead tiles on into L2, a head's rows at a
+// time. Writes each head's partial as decode_task does, head h's at partial + h x head_stride.
 constexpr int64_t kTilesAhead = 2;
 // Asks for rows [begin, end) of a cache (offsets in elements), `row_elements` bf16 each.
 inline void request_rows(const at::BFloat16* cache, const int64_t* offsets, int64_t begin, int64_t end,
                          int64_t row_elements) {
   for (int64_t t = begin; t < end; ++t)
     for (int64_t byte = 0; byte < row_elements * 2; byte += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(cache + offsets[t]) + byte, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cache + offsets[t]) + byte, _MM_HINT_T1);
 }
 
 template <int kHeadDim>
